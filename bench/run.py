@@ -1,0 +1,127 @@
+"""Benchmark harness: runs train_gpt2.py as a user would and turns its logs into one JSON per run.
+
+    python -m bench.run throughput --data /tmp/proxy --out bench/results/throughput.json
+    python -m bench.run speedrun   --data /tmp/proxy --out bench/results/speedrun.json -- --num_iterations=300
+    python -m bench.run throughput --nproc 2 ...        # torchrun on 2 GPUs
+
+Everything is measured by the training script itself (its metrics.jsonl and log.txt), so a benchmark figure is
+exactly what a user's run would show. Modes (BENCHMARKS.md):
+- throughput: the record config at a fixed attention window of 896 tokens, validation off, one line per step;
+  ms/step is the median of per-step times after the first SKIP steps, with the spread around it.
+- speedrun: any train_gpt2.py arguments; records the (step, val loss, train time) rows.
+Both record the cold start: seconds from launch to the end of the compile warm-up.
+"""
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from model.gpt import GPTConfig, flops_per_token
+
+REPO = Path(__file__).resolve().parent.parent
+SKIP = 5  # steps after warm-up left out of the median: the allocator and clocks are still settling
+PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16, NVIDIA datasheet (the two share the chip)
+
+
+def launch(nproc: int, train_args: list[str], log_dir: Path, console: Path) -> tuple[float, float]:
+    """Run train_gpt2.py; returns (wall seconds, seconds until the warm-up line appeared)."""
+    if nproc > 1:
+        cmd = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", "train_gpt2.py"]
+    else:
+        cmd = [sys.executable, "train_gpt2.py"]
+    cmd += train_args + [f"--log_dir={log_dir}"]
+    t0, warm = time.perf_counter(), None
+    with open(console, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        for line in proc.stdout:
+            out.write(line)
+            if warm is None and line.startswith("warm-up:"):
+                warm = time.perf_counter() - t0
+        if proc.wait():
+            sys.exit(f"train_gpt2.py failed with status {proc.returncode}; see {console}")
+    return time.perf_counter() - t0, warm
+
+
+def read_run(log_dir: Path) -> tuple[dict, list[dict], list[str]]:
+    (run_dir,) = [Path(p) for p in glob.glob(str(log_dir / "*")) if Path(p).is_dir()]
+    lines = (run_dir / "log.txt").read_text().splitlines()
+    head = {k: json.loads(l.split(": ", 1)[1]) for l in lines for k in ("config", "versions", "model_config")
+            if l.startswith(k + ": ")}
+    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return head, metrics, lines
+
+
+def per_step_ms(metrics: list[dict]) -> list[float]:
+    train = [m for m in metrics if "train_loss" in m]
+    return [b["train_time_ms"] - a["train_time_ms"] for a, b in zip(train, train[1:]) if b["step"] == a["step"] + 1]
+
+
+def memory(lines: list[str]) -> dict:
+    for line in lines:
+        if line.startswith("peak memory allocated:"):
+            words = line.split()
+            return {"peak_allocated_gib": round(int(words[3]) / 1024, 2), "peak_reserved_gib": round(int(words[6]) / 1024, 2)}
+    return {}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["throughput", "speedrun"])
+    ap.add_argument("--data", required=True, help="folder with fineweb_train_*.bin and fineweb_val_*.bin")
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=40, help="throughput: timed steps (>= 20 after SKIP)")
+    ap.add_argument("train_args", nargs="*", help="extra train_gpt2.py flags (after --)")
+    args = ap.parse_args()
+
+    data = [f"--train_files={args.data}/fineweb_train_*.bin", f"--val_files={args.data}/fineweb_val_*.bin"]
+    if args.mode == "throughput":
+        mode_args = ["--window_min_tokens=896", "--window_max_tokens=896", f"--num_iterations={args.steps}",
+                     "--val_loss_every=0", f"--val_tokens={args.nproc * 48 * 1024}", "--log_every=1"]
+    else:
+        mode_args = []
+    with tempfile.TemporaryDirectory() as tmp:
+        log_dir = Path(tmp) / "logs"
+        console = Path(args.out).with_suffix(".console.txt")
+        wall, warm = launch(args.nproc, data + mode_args + args.train_args, log_dir, console)
+        head, metrics, lines = read_run(log_dir)
+
+    cfg, mcfg = head["config"], head["model_config"]
+    tokens_per_step = cfg["batch_size"] * cfg["seq_len"]
+    result = {
+        "mode": args.mode, "command": " ".join(sys.argv), "git_commit": head["versions"].get("git_commit"),
+        "device": head["versions"].get("gpu", head["versions"]["device"]), "torch": head["versions"]["torch"],
+        "world_size": args.nproc,
+        "config": {"num_layers": mcfg["num_layers"], "model_dim": mcfg["model_dim"], "tokens_per_step": tokens_per_step,
+                   "micro_steps": cfg["batch_size"] // (cfg["device_batch_size"] * args.nproc),
+                   "seq_len": cfg["seq_len"], "window_tokens": [cfg["window_min_tokens"], cfg["window_max_tokens"]],
+                   "compile": cfg["compile"]},
+        "startup_to_warm_s": round(warm, 1) if warm else None, "wall_s": round(wall, 1),
+        "warmup_line": next((l for l in lines if l.startswith("warm-up:")), None), **memory(lines),
+    }
+    if args.mode == "throughput":
+        times = per_step_ms(metrics)[SKIP:]
+        med = statistics.median(times)
+        fpt = flops_per_token(GPTConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in mcfg.items()}),
+                              seq_len=cfg["seq_len"], window=cfg["window_max_tokens"])
+        result.update({"steps_timed": len(times), "ms_per_step_median": round(med, 2),
+                       "ms_per_step_min": round(min(times), 2), "ms_per_step_max": round(max(times), 2),
+                       "ms_per_step_stdev": round(statistics.stdev(times), 2),
+                       "tokens_per_s": round(tokens_per_step / med * 1e3),
+                       "mfu": round(tokens_per_step / med * 1e3 * fpt / (PEAK_BF16_FLOPS * args.nproc), 4)})
+    result["val_rows"] = [{"step": m["step"], "val_loss": m["val_loss"], "train_time_s": round(m["train_time_ms"] / 1e3, 2)}
+                          for m in metrics if "val_loss" in m]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""The speedrun GPT (modded-nanogpt style): config, model, parameter groups and the FLOPs estimate for MFU.
+
+Shape legend: B batch rows, T tokens, D model dim, H heads, d head dim, A = H * d attention width, V vocab,
+P = d // 2 rotary pairs.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.attention import block_mask, dense_mask, document_ids, short_window
+from model.layers import Block, norm, rotary_tables
+
+REDUCTIONS = ("mean", "sum", "none")
+BACKENDS = ("flex", "sdpa")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 50304  # GPT-2's 50,257 tokens padded to a multiple of 128 for matmul efficiency
+    num_layers: int = 12  # GPT-2 small depth
+    model_dim: int = 768  # GPT-2 small width
+    num_heads: int = 6  # 6 heads of 128 (modded-nanogpt), not GPT-2's 12 of 64
+    head_dim: int = 128  # per-head width; a multiple of 4 (half-truncated RoPE splits its pairs in two)
+    mlp_ratio: int = 4  # MLP width / model width, as in GPT-2
+    logit_softcap: float = 30.0  # cap * tanh(logits / cap): Gemma 2's softcap, the seed-era records' value
+    num_value_embeds: int = 3  # value embeddings shared by the first and last layers (record #28); 0 disables
+    value_residual: bool = True  # mix the first layer's values into every later layer's (Zhou et al. 2024)
+    rope_base: float = 1024.0  # slowest rotary frequency is 1/rope_base (modded-nanogpt), not RoPE's 10,000
+    attn_scale: float = 0.12  # softmax scale instead of 1/sqrt(head_dim): modded-nanogpt, tuned with QK-norm
+    block_size: int = 128  # FlexAttention tile in tokens; the sequence length must be a multiple of it
+    bos_id: int = 50256  # <|endoftext|>: starts every document, so attention never crosses it
+    # layers using the short window (half the long one); None = modded-nanogpt's 2025 long/short pattern:
+    # long on every 4th layer and on the last, short elsewhere
+    short_window_layers: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be positive")
+        if self.head_dim % 4:
+            raise ValueError(f"GPTConfig.head_dim={self.head_dim} must be a multiple of 4 (half-truncated RoPE "
+                             f"splits the rotary pairs in two halves); use e.g. 64 or 128")
+        if self.logit_softcap <= 0:
+            raise ValueError(f"GPTConfig.logit_softcap={self.logit_softcap} must be positive")
+        if not 0 <= 2 * self.num_value_embeds <= self.num_layers:
+            raise ValueError(f"GPTConfig.num_value_embeds={self.num_value_embeds} must be between 0 and "
+                             f"num_layers // 2 = {self.num_layers // 2}: each embedding feeds one of the first and "
+                             f"one of the last layers")
+        if not 0 <= self.bos_id < self.vocab_size:
+            raise ValueError(f"GPTConfig.bos_id={self.bos_id} must be a token id below vocab_size={self.vocab_size}")
+        if self.short_window_layers is not None and not all(0 <= i < self.num_layers for i in self.short_window_layers):
+            raise ValueError(f"GPTConfig.short_window_layers={self.short_window_layers} must be layer indices "
+                             f"below num_layers={self.num_layers}, or None for the default pattern")
+
+    def is_short_window(self, layer: int) -> bool:
+        if self.short_window_layers is not None:
+            return layer in self.short_window_layers
+        return layer % 4 != 0 and layer != self.num_layers - 1
+
+    def value_embed_index(self, layer: int) -> int | None:
+        """Which value embedding layer `layer` uses: embedding k feeds layer k and layer L - n + k (record #28)."""
+        n, L = self.num_value_embeds, self.num_layers
+        if layer < n:
+            return layer
+        if layer >= L - n:
+            return layer - (L - n)
+        return None
+
+
+class Head(nn.Module):
+    """Final norm, untied LM head, softcap and cross-entropy: a module of its own so it compiles as one region."""
+
+    def __init__(self, dim: int, vocab_size: int, softcap: float):
+        super().__init__()
+        self.softcap = softcap
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim))
+
+    def logits(self, x_BTD: Tensor) -> Tensor:
+        """Capped fp32 logits (B, T, V)."""
+        z_BTV = F.linear(norm(x_BTD), self.weight.type_as(x_BTD)).float()
+        return self.softcap * torch.tanh(z_BTV / self.softcap)  # logit softcap (Gemma 2)
+
+    def forward(self, x_BTD: Tensor, targets_BT: Tensor, reduction: str) -> Tensor:
+        logits_BTV = self.logits(x_BTD)
+        loss = F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten(), ignore_index=-100, reduction=reduction)
+        return loss.view_as(targets_BT) if reduction == "none" else loss
+
+
+class GPT(nn.Module):
+    """The speedrun GPT.
+
+    Construction declares shapes only (it may run under `torch.device("meta")`, then `to_empty(device=...)`);
+    `init_weights()` draws the values from the default generator, so seed before calling it.
+
+    Set from outside: `attention_backend` ("flex": FlexAttention, forward-only on CPU; "sdpa": explicit mask,
+    small T, for CPU training) and `compute_dtype` (activation dtype, bf16 by default; fp32 for exact checks).
+
+    Compilation is regional and applied from outside (`compile_regions()` does exactly this):
+        for block in model.blocks: block.compile(dynamic=False, fullgraph=True)
+        model.head.compile(dynamic=False, fullgraph=True)
+    All blocks share one signature, (x, x0, v_first, ve, cos, sin, mask), so they share compiled code; every
+    per-step value (the window) reaches them as a tensor, so schedules never recompile.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.attention_backend = "flex"
+        self.compute_dtype = torch.bfloat16
+        D, V, L = config.model_dim, config.vocab_size, config.num_layers
+        attn_dim = config.num_heads * config.head_dim
+        # _weight=empty: skip nn.Embedding's own random init, so construction neither costs time nor draws from
+        # the generator (init_weights() alone decides the values)
+        self.embed = nn.Embedding(V, D, _weight=torch.empty(V, D))
+        self.value_embeds = nn.ModuleList([nn.Embedding(V, attn_dim, _weight=torch.empty(V, attn_dim))
+                                           for _ in range(config.num_value_embeds)])
+        self.blocks = nn.ModuleList([Block(D, config.num_heads, config.head_dim, config.mlp_ratio, config.attn_scale)
+                                     for _ in range(L)])
+        # U-net skips (modded-nanogpt): block i < L//2 feeds block L-1-i through a learned weight
+        self.skip_weights = nn.Parameter(torch.empty(L // 2))
+        self.head = Head(D, V, config.logit_softcap)  # untied from the embedding: its own storage
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.embed.weight)  # N(0, 1), nn.Embedding's default as in modded-nanogpt
+        for emb in self.value_embeds:
+            nn.init.normal_(emb.weight)
+        for block in self.blocks:
+            block.init_weights()
+        nn.init.ones_(self.skip_weights)
+        nn.init.zeros_(self.head.weight)  # zero-init head (modded-nanogpt): the first loss is exactly ln(V)
+
+    def compile_regions(self, **kwargs) -> None:
+        """Compile each block and the head separately (regional compilation); kwargs go to torch.compile."""
+        kwargs = {"dynamic": False, "fullgraph": True} | kwargs
+        for block in self.blocks:
+            block.compile(**kwargs)
+        self.head.compile(**kwargs)
+
+    def param_groups(self) -> list[dict]:
+        """Parameters tagged for the optimizer, chosen by module structure: Muon for every matrix inside the
+        blocks ("hidden"), Adam for "embed", "value_embed", "head" and "scalar" (mixing weights). Empty groups
+        are left out."""
+        hidden, scalar = [], [self.skip_weights]
+        for block in self.blocks:
+            for p in block.parameters():
+                (hidden if p.ndim >= 2 else scalar).append(p)
+        groups = [
+            {"kind": "muon", "name": "hidden", "params": hidden},
+            {"kind": "adam", "name": "embed", "params": [self.embed.weight]},
+            {"kind": "adam", "name": "value_embed", "params": [emb.weight for emb in self.value_embeds]},
+            {"kind": "adam", "name": "head", "params": [self.head.weight]},
+            {"kind": "adam", "name": "scalar", "params": scalar},
+        ]
+        groups = [g for g in groups if g["params"]]
+        grouped = [id(p) for g in groups for p in g["params"]]
+        assert len(grouped) == len(set(grouped)) and set(grouped) == {id(p) for p in self.parameters()}, \
+            "every parameter must be in exactly one group"
+        return groups
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def hidden_states(self, inputs_BT: Tensor, window: Tensor) -> Tensor:
+        """The residual stream after the last block (B, T, D), in compute_dtype."""
+        cfg = self.config
+        B, T = inputs_BT.shape
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r}: use one of {BACKENDS}")
+        window = torch.as_tensor(window, dtype=torch.int64, device=inputs_BT.device)
+        doc_BT = document_ids(inputs_BT, cfg.bos_id)
+        windows = {False: window, True: short_window(window, cfg.block_size)}
+        if self.attention_backend == "flex":
+            if T % cfg.block_size:
+                raise ValueError(f"sequence length {T} is not a multiple of the attention block size "
+                                 f"{cfg.block_size}: pick a seq_len that is (FlexAttention works in whole blocks)")
+            if inputs_BT.device.type == "cpu" and torch.is_grad_enabled():
+                raise ValueError("FlexAttention has no CPU backward: set model.attention_backend = 'sdpa' to train "
+                                 "on CPU, or run under torch.no_grad()")
+            masks = {short: block_mask(doc_BT, w, cfg.block_size) for short, w in windows.items()}
+        else:
+            masks = {short: dense_mask(doc_BT, w) for short, w in windows.items()}
+        cos_TP, sin_TP = rotary_tables(T, cfg.head_dim, cfg.rope_base, inputs_BT.device)
+
+        x_BTD = x0_BTD = norm(self.embed(inputs_BT).to(self.compute_dtype))
+        ves_BTA = [emb(inputs_BT).to(self.compute_dtype) for emb in self.value_embeds]
+        L, num_skips = cfg.num_layers, cfg.num_layers // 2
+        skips, v_first_BTHd = [], None
+        for i, block in enumerate(self.blocks):
+            if i >= L - num_skips:  # second half: add the mirrored first-half output (U-net)
+                x_BTD = x_BTD + self.skip_weights[i - (L - num_skips)].type_as(x_BTD) * skips.pop()
+            ve_index = cfg.value_embed_index(i)
+            ve_BTA = None if ve_index is None else ves_BTA[ve_index]
+            x_BTD, v_BTHd = block(x_BTD, x0_BTD, v_first_BTHd, ve_BTA, cos_TP, sin_TP, masks[cfg.is_short_window(i)])
+            if i == 0 and cfg.value_residual:
+                v_first_BTHd = v_BTHd
+            if i < num_skips:
+                skips.append(x_BTD)
+        return x_BTD
+
+    def logits(self, inputs_BT: Tensor, window: Tensor) -> Tensor:
+        """Capped fp32 logits (B, T, V), for sampling, evaluation and tests."""
+        return self.head.logits(self.hidden_states(inputs_BT, window))
+
+    def forward(self, inputs_BT: Tensor, targets_BT: Tensor, window: Tensor, reduction: str = "mean") -> Tensor:
+        """Cross-entropy in fp32 over targets != -100: a scalar for "mean"/"sum", per-token (B, T) for "none".
+        inputs (B, T) int token ids; targets (B, T) int64; window: 0-D int64 tensor, the long window in tokens."""
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction={reduction!r}: use one of {REDUCTIONS}")
+        return self.head(self.hidden_states(inputs_BT, window), targets_BT, reduction)
+
+
+def mean_context(seq_len: int, window: int) -> float:
+    """Mean number of keys a query attends under the causal sliding window (documents ignored)."""
+    w = min(window, seq_len)
+    return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+
+
+def flops_per_token(config: GPTConfig, seq_len: int, window: int) -> float:
+    """Training FLOPs per token (forward + backward) for MFU, in the PaLM convention (Chowdhery et al. 2022, app. B):
+
+        6 * N_matmul  +  sum over layers of 12 * A * C_layer
+
+    N_matmul counts the weights used in matmuls (block matrices and the head; embedding lookups are free): 2 FLOPs
+    per weight per token forward, 4 backward. Attention's QK^T and AV each cost 2 * A * C forward per token, times
+    3 for training, where C is the mean number of attended keys under the layer's causal window (`mean_context`;
+    document boundaries are data-dependent and ignored, so this is an upper bound on useful work).
+    """
+    D, A = config.model_dim, config.num_heads * config.head_dim
+    per_block = 3 * A * D + D * A + 2 * config.mlp_ratio * D * D
+    n_matmul = config.num_layers * per_block + config.vocab_size * D
+    short = int(short_window(torch.tensor(window), config.block_size))
+    attention = sum(12 * A * mean_context(seq_len, short if config.is_short_window(i) else window)
+                    for i in range(config.num_layers))
+    return 6 * n_matmul + attention

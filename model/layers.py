@@ -1,0 +1,127 @@
+"""Transformer pieces: parameter-free RMSNorm, half-truncated rotary embeddings, attention, ReLU² MLP, the block.
+
+Weights are fp32 master copies, cast to the activation dtype where they are used (`.type_as(x)`), so the
+optimizer always updates fp32 while the matmuls run in bf16. Construction only declares shapes (`torch.empty`);
+`init_weights()` assigns values.
+
+Shape legend: B batch rows, T tokens, D model dim, H heads, d head dim, A = H * d attention width,
+F = mlp_ratio * D MLP width, P = d // 2 rotary pairs.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask
+
+from model.attention import attend
+
+
+def norm(x: Tensor) -> Tensor:
+    """RMSNorm without a learned gain (modded-nanogpt): one less parameter group, no measurable loss."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos and sin tables (T, P) in fp32 for half-truncated RoPE (modded-nanogpt): only half of the P rotary pairs
+    turn, with frequencies from 1 down to 1/base; the other half has frequency 0 and carries position-free content."""
+    turning = head_dim // 4
+    freqs_P = torch.cat([base ** -torch.linspace(0, 1, turning, dtype=torch.float32, device=device),
+                         torch.zeros(head_dim // 2 - turning, dtype=torch.float32, device=device)])
+    angles_TP = torch.arange(seq_len, dtype=torch.float32, device=device)[:, None] * freqs_P[None, :]
+    return angles_TP.cos(), angles_TP.sin()
+
+
+def apply_rotary(x_BTHd: Tensor, cos_TP: Tensor, sin_TP: Tensor) -> Tensor:
+    """Rotate pair (x[j], x[j + P]) by angle[t, j]; computed in fp32, returned in x's dtype."""
+    x1, x2 = x_BTHd.float().chunk(2, dim=-1)
+    cos, sin = cos_TP[None, :, None, :], sin_TP[None, :, None, :]
+    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x_BTHd)
+
+
+def _uniform_(w: Tensor, std: float) -> None:
+    bound = math.sqrt(3.0) * std  # a uniform on [-b, b] has std b / sqrt(3)
+    nn.init.uniform_(w, -bound, bound)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+        attn_dim = num_heads * head_dim
+        # q, k, v as one (3, A, D) parameter: one matmul in forward; Muon orthogonalises each of the 3 matrices.
+        self.qkv_w = nn.Parameter(torch.empty(3, attn_dim, dim))
+        self.proj_w = nn.Parameter(torch.empty(dim, attn_dim))
+        # weights of (own values, first layer's values, value embedding) in this layer's values
+        self.value_lambdas = nn.Parameter(torch.empty(3))
+
+    def init_weights(self) -> None:
+        _uniform_(self.qkv_w, 0.5 * self.qkv_w.size(-1) ** -0.5)  # std 0.5 / sqrt(fan_in): modded-nanogpt
+        nn.init.zeros_(self.proj_w)  # zero-init output projection (modded-nanogpt): each block starts as identity
+        # 0.5 each: value residual's mix (Zhou et al. 2024) and the value-embedding records' starting weights
+        nn.init.constant_(self.value_lambdas, 0.5)
+
+    def forward(self, x_BTD: Tensor, v_first_BTHd: Tensor | None, ve_BTA: Tensor | None,
+                cos_TP: Tensor, sin_TP: Tensor, mask: BlockMask | Tensor) -> tuple[Tensor, Tensor]:
+        """Returns (output (B, T, D), this layer's mixed values (B, T, H, d) for the value residual)."""
+        B, T, _ = x_BTD.shape
+        H, d = self.num_heads, self.head_dim
+        qkv_BT3Hd = F.linear(x_BTD, self.qkv_w.flatten(0, 1).type_as(x_BTD)).view(B, T, 3 * H, d)
+        q_BTHd, k_BTHd, v_BTHd = qkv_BT3Hd.chunk(3, dim=2)
+        # QK-norm (Dehghani et al. 2023): bounded logits, stable at high learning rates
+        q_BTHd = apply_rotary(norm(q_BTHd), cos_TP, sin_TP)
+        k_BTHd = apply_rotary(norm(k_BTHd), cos_TP, sin_TP)
+        own, first, embed = self.value_lambdas.type_as(x_BTD).unbind()
+        v_BTHd = own * v_BTHd
+        if v_first_BTHd is not None:  # value residual (Zhou et al. 2024, "Value Residual Learning")
+            v_BTHd = v_BTHd + first * v_first_BTHd
+        if ve_BTA is not None:  # value embeddings (modded-nanogpt record of 2024-11)
+            v_BTHd = v_BTHd + embed * ve_BTA.view(B, T, H, d)
+        y_BHTd = attend(q_BTHd.transpose(1, 2), k_BTHd.transpose(1, 2), v_BTHd.transpose(1, 2), mask, self.scale)
+        y_BTA = y_BHTd.transpose(1, 2).reshape(B, T, H * d)
+        return F.linear(y_BTA, self.proj_w.type_as(y_BTA)), v_BTHd
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.fc_w = nn.Parameter(torch.empty(hidden_dim, dim))
+        self.proj_w = nn.Parameter(torch.empty(dim, hidden_dim))
+
+    def init_weights(self) -> None:
+        _uniform_(self.fc_w, 0.5 * self.fc_w.size(-1) ** -0.5)  # std 0.5 / sqrt(fan_in): modded-nanogpt
+        nn.init.zeros_(self.proj_w)  # zero-init output projection (modded-nanogpt)
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        h_BTF = F.linear(x_BTD, self.fc_w.type_as(x_BTD))
+        h_BTF = F.relu(h_BTF).square()  # ReLU² (So et al. 2021, Primer)
+        return F.linear(h_BTF, self.proj_w.type_as(h_BTF))
+
+
+class Block(nn.Module):
+    """x0 mix, attention, MLP. Everything a layer needs arrives as a tensor (or None, or the mask), so all blocks
+    share one compiled graph per (v_first, ve) presence pattern."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, mlp_ratio: int, attn_scale: float):
+        super().__init__()
+        self.attn = Attention(dim, num_heads, head_dim, attn_scale)
+        self.mlp = MLP(dim, mlp_ratio * dim)
+        # weights of (residual stream, normed embedding x0): the x0 shortcut of modded-nanogpt
+        self.lambdas = nn.Parameter(torch.empty(2))
+
+    def init_weights(self) -> None:
+        self.attn.init_weights()
+        self.mlp.init_weights()
+        with torch.no_grad():
+            self.lambdas.copy_(torch.tensor([1.0, 0.0]))  # start as a plain residual stream
+
+    def forward(self, x_BTD: Tensor, x0_BTD: Tensor, v_first_BTHd: Tensor | None, ve_BTA: Tensor | None,
+                cos_TP: Tensor, sin_TP: Tensor, mask: BlockMask | Tensor) -> tuple[Tensor, Tensor]:
+        """Returns (new residual stream (B, T, D), this layer's values (B, T, H, d))."""
+        mix = self.lambdas.type_as(x_BTD)
+        x_BTD = mix[0] * x_BTD + mix[1] * x0_BTD
+        y_BTD, v_BTHd = self.attn(norm(x_BTD), v_first_BTHd, ve_BTA, cos_TP, sin_TP, mask)
+        x_BTD = x_BTD + y_BTD
+        x_BTD = x_BTD + self.mlp(norm(x_BTD))
+        return x_BTD, v_BTHd

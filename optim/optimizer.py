@@ -1,0 +1,218 @@
+"""MuonAdam: the one optimizer object. It owns the parameter state and all gradient communication."""
+import torch
+import torch.distributed as dist
+
+from optim.adam import adam_update
+from optim.muon import apply_updates, nesterov_momentum, newton_schulz, shape_scale
+
+
+class _MuonBucket:
+    """The parameters of one Muon group that share a shape, stacked so one call handles them all."""
+
+    def __init__(self, group: str, params: list[torch.Tensor], world_size: int):
+        self.group = group
+        self.params = params
+        self.momentum = torch.zeros((len(params), *params[0].shape), dtype=params[0].dtype,
+                                    device=params[0].device)
+        self.scale = shape_scale(params[0].shape)
+        self.share = -(-len(params) // world_size)  # matrices each rank orthogonalises (rank-padded)
+
+
+class MuonAdam:
+    """Muon for the "muon" groups (hidden matrices), Adam for the "adam" groups, in one `step`.
+
+    `param_groups` is the model's list of {"kind": "muon" | "adam", "name": str, "params": [...]}; `lr` maps
+    each group name to its base learning rate, which `step` multiplies by the schedule's `lr_multiplier`.
+    Muon parameters may have more than two dims (e.g. a merged QKV weight (3, D, D)): the leading dims are a
+    batch of matrices, each orthogonalised on its own.
+
+    Communication (world_size > 1; torch.distributed is initialised by the caller, gloo or NCCL):
+      1. One async all_reduce(SUM) per gradient is launched for every parameter up front, Muon groups first,
+         then each group waits only for its own gradients and divides by world_size (SUM works on every
+         backend and release; gloo gained AVG only in 2025), so the reduction of later groups overlaps the
+         math of earlier ones.
+      2. Muon: the parameters of a group are bucketed by shape and stacked. Every rank updates the momentum
+         of the whole stack (it holds the same averaged gradient, so momentum stays replicated), then
+         Newton–Schulz runs only on this rank's contiguous share of the stack (the stack is zero-padded to a
+         multiple of world_size; a zero matrix orthogonalises to zero). An async all_gather (into a list of
+         views of one buffer, which both gloo and NCCL support; all_gather_into_tensor is deprecated in
+         torch 2.13) collects the bf16 updates of all ranks.
+      3. Adam groups are updated while those gathers are in flight; then every rank waits for the gathers
+         and applies the same Muon updates, so parameters stay identical on all ranks.
+    At world_size 1 no collective is called at all.
+
+    State is replicated, not sharded: each rank holds the full Muon momentum and Adam moments. That costs
+    memory for the small 124M model but makes `state_dict` independent of the world size, so a checkpoint
+    resumes on any number of GPUs. With `compile=True` the update functions are wrapped in
+    torch.compile(dynamic=False) when the parameters live on CUDA; on CPU they always run eagerly.
+    """
+
+    def __init__(self, param_groups: list[dict], *, lr: dict[str, float],
+                 adam_betas: tuple[float, float] = (0.8, 0.95), adam_eps: float = 1e-10,
+                 rank: int = 0, world_size: int = 1, compile: bool = False):
+        seen: set[int] = set()
+        for group in param_groups:
+            assert group["kind"] in ("muon", "adam"), f"group {group['name']!r}: unknown kind {group['kind']!r}"
+            for p in group["params"]:
+                assert id(p) not in seen, f"a parameter of group {group['name']!r} appears in two groups"
+                seen.add(id(p))
+            if group["kind"] == "muon":
+                assert all(p.ndim >= 2 for p in group["params"]), f"Muon group {group['name']!r} has a <2-D param"
+        names = [g["name"] for g in param_groups]
+        assert len(set(names)) == len(names), f"group names repeat: {names}"
+        missing = [n for n in names if n not in lr]
+        if missing:
+            raise ValueError(f"no learning rate for parameter group(s) {missing}: give every group of the model "
+                             f"({names}) a base learning rate")
+        if world_size > 1:
+            assert dist.is_initialized(), "world_size > 1 needs torch.distributed initialised by the caller"
+        assert 0 <= rank < world_size, f"rank {rank} outside world of {world_size}"
+
+        self.param_groups = param_groups
+        self.base_lr = {n: float(lr[n]) for n in names}
+        self.beta1, self.beta2 = adam_betas
+        self.eps = adam_eps
+        self.rank, self.world_size = rank, world_size
+        self.step_count = 0
+
+        params = [p for g in param_groups for p in g["params"]]
+        device = params[0].device if params else torch.device("cpu")
+        # 0-D tensors refilled each step: a compiled update sees new values, never new constants.
+        self._lr = {n: torch.zeros((), device=device) for n in names}
+        self._momentum = torch.zeros((), device=device)
+        self._step = torch.zeros((), device=device)
+
+        self._buckets: list[_MuonBucket] = []
+        self._adam: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for group in param_groups:
+            if group["kind"] == "muon":
+                by_shape: dict[torch.Size, list[torch.Tensor]] = {}
+                for p in group["params"]:
+                    by_shape.setdefault(p.shape, []).append(p)
+                self._buckets += [_MuonBucket(group["name"], ps, world_size) for ps in by_shape.values()]
+            else:
+                ps = group["params"]
+                self._adam[group["name"]] = ([torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps])
+
+        # One graph per Muon bucket shape and per Adam group (4 + 4 for the 124M model), within dynamo's
+        # default limit of 8 recompiles per function.
+        on_cuda = device.type == "cuda"
+        wrap = (lambda f: torch.compile(f, dynamic=False)) if compile and on_cuda else (lambda f: f)
+        self._nesterov = wrap(nesterov_momentum)
+        self._orthogonalize = wrap(newton_schulz)
+        self._apply = wrap(apply_updates)
+        self._adam_update = wrap(adam_update)
+
+    @torch.no_grad()
+    def step(self, lr_multiplier: float, muon_momentum: float) -> None:
+        """One update of every parameter from its `.grad` (this rank's local gradient when distributed;
+        afterwards `.grad` holds the average over ranks)."""
+        assert 0.0 <= muon_momentum < 1.0, f"muon_momentum {muon_momentum} outside [0, 1)"
+        self.step_count += 1
+        self._step.fill_(self.step_count)
+        self._momentum.fill_(muon_momentum)
+        for name, t in self._lr.items():
+            t.fill_(self.base_lr[name] * lr_multiplier)
+
+        distributed = self.world_size > 1
+        pending = {}
+        if distributed:
+            muon_first = [p for b in self._buckets for p in b.params]
+            muon_first += [p for g in self._adam_groups() for p in g["params"]]
+            for p in muon_first:
+                assert p.grad is not None, "every parameter needs a gradient on every rank"
+                pending[id(p)] = dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, async_op=True)
+
+        gathers = []
+        for bucket in self._buckets:
+            grads = torch.stack(self._averaged_grads(bucket.params, pending))
+            direction = self._nesterov(grads, bucket.momentum, self._momentum)
+            lr = self._lr[bucket.group] * bucket.scale
+            if not distributed:
+                self._apply(bucket.params, self._orthogonalize(direction), lr)
+                continue
+            mine = direction[self.rank * bucket.share:(self.rank + 1) * bucket.share]
+            if len(mine) < bucket.share:
+                mine = torch.cat([mine, mine.new_zeros((bucket.share - len(mine), *mine.shape[1:]))])
+            update = self._orthogonalize(mine).contiguous()  # NCCL needs contiguous; tall outputs are views
+            gathered = update.new_empty((bucket.share * self.world_size, *update.shape[1:]))
+            work = dist.all_gather(list(gathered.chunk(self.world_size)), update, async_op=True)
+            gathers.append((bucket, update, gathered, lr, work))  # `update` stays alive until the wait
+
+        for group in self._adam_groups():
+            exp_avgs, exp_avg_sqs = self._adam[group["name"]]
+            self._adam_update(group["params"], self._averaged_grads(group["params"], pending), exp_avgs,
+                              exp_avg_sqs, lr=self._lr[group["name"]], step=self._step, beta1=self.beta1,
+                              beta2=self.beta2, eps=self.eps)
+
+        for bucket, _, gathered, lr, work in gathers:
+            work.wait()
+            self._apply(bucket.params, gathered, lr)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
+    def state_dict(self) -> dict:
+        """{"step": int, "groups": {name: per-parameter state lists in the model's parameter order}}.
+        Muon groups hold "momentum", Adam groups "exp_avg" and "exp_avg_sq"; tensors are the live buffers
+        (like torch.optim), on the parameters' device. Nothing depends on rank or world size."""
+        groups = {}
+        for group in self.param_groups:
+            if group["kind"] == "muon":
+                groups[group["name"]] = {"momentum": [self._momentum_of(p) for p in group["params"]]}
+            else:
+                exp_avgs, exp_avg_sqs = self._adam[group["name"]]
+                groups[group["name"]] = {"exp_avg": exp_avgs, "exp_avg_sq": exp_avg_sqs}
+        return {"step": self.step_count, "groups": groups}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Copy a `state_dict` into this optimizer's buffers (any device); the next `step` then continues
+        bitwise as if the run had never stopped."""
+        saved = state["groups"]
+        if set(saved) != set(self.base_lr):
+            raise ValueError(f"optimizer state has groups {sorted(saved)} but the model has {sorted(self.base_lr)}: "
+                             f"resume with the model configuration the checkpoint was written with")
+        for group in self.param_groups:
+            name, params = group["name"], group["params"]
+            if group["kind"] == "muon":
+                targets = {"momentum": [self._momentum_of(p) for p in params]}
+            else:
+                exp_avgs, exp_avg_sqs = self._adam[name]
+                targets = {"exp_avg": exp_avgs, "exp_avg_sq": exp_avg_sqs}
+            if set(saved[name]) != set(targets):
+                raise ValueError(f"optimizer state of group {name!r} holds {sorted(saved[name])}, expected "
+                                 f"{sorted(targets)}: the checkpoint was written by another optimizer")
+            for key, dsts in targets.items():
+                srcs = saved[name][key]
+                if [tuple(s.shape) for s in srcs] != [tuple(d.shape) for d in dsts]:
+                    raise ValueError(f"optimizer state {name}.{key} has shapes that differ from the model's "
+                                     f"parameters: resume with the model configuration of the checkpoint")
+                for dst, src in zip(dsts, srcs):
+                    dst.copy_(src)
+        self.step_count = int(state["step"])
+
+    def _averaged_grads(self, params: list[torch.Tensor], pending: dict) -> list[torch.Tensor]:
+        """The parameters' gradients, averaged over ranks once their all_reduce (if any) has finished."""
+        grads = []
+        for p in params:
+            assert p.grad is not None, "every parameter needs a gradient before step()"
+            if id(p) in pending:
+                pending.pop(id(p)).wait()
+                p.grad.div_(self.world_size)
+            grads.append(p.grad)
+        return grads
+
+    def _adam_groups(self) -> list[dict]:
+        return [g for g in self.param_groups if g["kind"] == "adam"]
+
+    def _momentum_of(self, p: torch.Tensor) -> torch.Tensor:
+        for bucket in self._buckets:
+            for i, q in enumerate(bucket.params):
+                if q is p:
+                    return bucket.momentum[i]
+        raise AssertionError("a Muon parameter has no momentum buffer")

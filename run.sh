@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Train the 124M speedrun model on every GPU of this machine:
+#   bash run.sh [--flag=value ...]       flags pass through to train_gpt2.py
+#   NPROC=4 bash run.sh                  use 4 GPUs instead of all
+#   FINEWEB_SHARDS=20 bash run.sh        fetch more FineWeb train shards (100M tokens each)
+# On a machine without a GPU it runs the CPU smoke preset on the sample corpus instead.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+count_gpus() {
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        # A failing nvidia-smi (no driver) prints no "GPU n:" lines, so the count is 0.
+        nvidia-smi -L 2>/dev/null | grep -c '^GPU [0-9]' || true
+    else
+        echo 0
+    fi
+}
+
+gpus=$(count_gpus)
+if [ "$gpus" -eq 0 ]; then
+    echo "run.sh: no GPU found, running the CPU smoke preset" >&2
+    exec python train_gpt2.py --preset smoke "$@"
+fi
+NPROC=${NPROC:-$gpus}
+
+# Record #28 trains ~1750 steps x 393,216 tokens ~= 690M tokens; 9 shards x 100M tokens cover it.
+FINEWEB_SHARDS=${FINEWEB_SHARDS:-9}
+shopt -s nullglob
+train_shards=(data/fineweb10B/fineweb_train_*.bin)
+val_shards=(data/fineweb10B/fineweb_val_*.bin)
+shopt -u nullglob
+case " $* " in
+    # The user brings their own data or runs the smoke preset: FineWeb is not needed.
+    *" --train_files"* | *" --preset=smoke "* | *" --preset smoke "*) ;;
+    *)
+        if [ "${#train_shards[@]}" -lt "$FINEWEB_SHARDS" ] || [ "${#val_shards[@]}" -eq 0 ]; then
+            python data/cached_fineweb10B.py "$FINEWEB_SHARDS"
+        fi
+        ;;
+esac
+
+exec torchrun --standalone --nproc_per_node="$NPROC" train_gpt2.py "$@"

@@ -1,0 +1,93 @@
+"""Checkpoints: written atomically, found safely, refused when the math would change.
+
+A checkpoint is one `torch.save` file `ckpt_<step>.pt` holding the model, optimizer, loader and RNG states,
+the step and both configs. It is first written to a temporary name in the same folder and then renamed, so a
+killed write leaves the previous checkpoint untouched and a half-written file is never taken for a
+checkpoint (only names matching `ckpt_<digits>.pt` are ever loaded). The last `KEEP` checkpoints are kept.
+"""
+import os
+import pickle
+import re
+import zipfile
+from pathlib import Path
+
+import torch
+
+from model.gpt import GPT, GPTConfig
+from runtime.errors import UserError
+
+KEEP = 2  # the newest and one spare, in case the newest is damaged after its write
+_NAME = re.compile(r"ckpt_(\d+)\.pt$")
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / f"ckpt_{step:06d}.pt"
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """Write `state` to `path` atomically, then prune older checkpoints in the folder."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+    for old in list_checkpoints(path.parent)[:-KEEP]:
+        old.unlink()
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints in `run_dir`, oldest first."""
+    found = [p for p in Path(run_dir).iterdir() if _NAME.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(_NAME.fullmatch(p.name).group(1)))
+
+
+def resolve(path: str) -> Path:
+    """`--resume` takes a checkpoint file or a run folder (then its newest checkpoint)."""
+    p = Path(path)
+    if p.is_dir():
+        found = list_checkpoints(p)
+        if not found:
+            raise UserError(f"--resume {path}: the folder holds no checkpoint (ckpt_<step>.pt); "
+                            f"runs write them when started with --checkpoint_every N")
+        return found[-1]
+    if not p.exists():
+        raise UserError(f"--resume {path}: no such file; pass a ckpt_<step>.pt file or the run folder "
+                        f"under --log_dir that holds it")
+    return p
+
+
+def load_checkpoint(path: str, map_location="cpu") -> dict:
+    p = resolve(path)
+    try:
+        state = torch.load(p, map_location=map_location, weights_only=False)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+        raise UserError(f"--resume {p}: the checkpoint is truncated or corrupt ({type(e).__name__}); "
+                        f"resume from an earlier ckpt_<step>.pt in {p.parent}") from None
+    missing = {"model", "optimizer", "loader", "step", "config"} - set(state)
+    if missing:
+        raise UserError(f"--resume {p}: not a training checkpoint (missing {sorted(missing)})")
+    return state
+
+
+def config_diff(saved: dict, current: dict, ignore: set[str]) -> list[str]:
+    """Fields (outside `ignore`) whose values differ, as 'name: saved -> current'."""
+    names = (set(saved) | set(current)) - ignore
+    return [f"{n}: {saved.get(n)!r} -> {current.get(n)!r}" for n in sorted(names) if saved.get(n) != current.get(n)]
+
+
+def load_model(path: str, device="cpu"):
+    """The trained GPT from a checkpoint, for sampling and evaluation (weights only, eval mode)."""
+    state = load_checkpoint(path, map_location=device)
+    model = GPT(GPTConfig(**state["model_config"])).to(device)
+    model.load_state_dict(state["model"])
+    return model.eval()

@@ -1,0 +1,76 @@
+"""Process setup: which device, which rank, and the process group when torchrun started several processes."""
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+from runtime.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+
+def choose_device(flag: str, local_rank: int) -> torch.device:
+    if flag not in ("auto", "cuda", "cpu"):
+        raise UserError(f"--device={flag!r} is not a device; use --device auto, cuda or cpu")
+    if flag == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda, but no CUDA GPU is visible (torch.cuda.is_available() is False): "
+                        "check nvidia-smi and CUDA_VISIBLE_DEVICES, or run on the CPU with --device cpu")
+    if flag == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise UserError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} are visible; "
+                        f"start torchrun with --nproc_per_node={torch.cuda.device_count()}")
+    return torch.device("cuda", local_rank)
+
+
+def setup(device_flag: str) -> Runtime:
+    """Read torchrun's environment (absent: one process) and join the process group.
+
+    NCCL on CUDA, gloo on CPU, so the same code runs on a GPU box and in CPU CI.
+    """
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = choose_device(device_flag, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    return Runtime(rank, world_size, local_rank, device)
+
+
+def teardown():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_ranks_sum(value: float, rt: Runtime) -> float:
+    """Sum a Python number over ranks (identity on one process)."""
+    if rt.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=rt.device)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def broadcast_object(obj, rt: Runtime):
+    """Rank 0's `obj` on every rank."""
+    if rt.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

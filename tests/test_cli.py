@@ -1,0 +1,66 @@
+"""The CLI generated from TrainConfig: flag syntax, presets, type errors, suggestions, derived numbers."""
+import dataclasses
+
+import pytest
+
+from runtime.cli import parse_config
+from runtime.errors import UserError
+from train_gpt2 import PRESETS, TrainConfig, derive
+
+
+def test_defaults_are_the_record_run():
+    cfg = parse_config(TrainConfig, [], PRESETS)
+    assert cfg == TrainConfig()
+    assert cfg.batch_size * cfg.seq_len == 393_216  # record #28's tokens per step (BENCHMARKS.md)
+    assert derive(cfg, world_size=8).grad_accum == 1
+    assert derive(cfg, world_size=1).grad_accum == 8
+
+
+def test_both_flag_spellings_and_preset_then_flags():
+    cfg = parse_config(TrainConfig, ["--preset", "smoke", "--seq_len=512", "--num_iterations", "7",
+                                     "--compile=1", "--cooldown_frac", "0.5"], PRESETS)
+    assert cfg.preset == "smoke"
+    assert cfg.num_layers == PRESETS["smoke"]["num_layers"]  # from the preset
+    assert (cfg.seq_len, cfg.num_iterations, cfg.compile, cfg.cooldown_frac) == (512, 7, True, 0.5)  # flags win
+
+
+def test_every_field_is_a_flag_with_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_config(TrainConfig, ["--help"], PRESETS)
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(TrainConfig):
+        line = next(l for l in out.splitlines() if l.strip().startswith(f"--{f.name}="))
+        assert len(line.split("  ")[-1].strip()) > 5, f"--{f.name} has no help text"
+
+
+def test_unknown_flag_suggests_the_nearest():
+    with pytest.raises(UserError, match=r"unknown flag --num_iteration; did you mean --num_iterations\?"):
+        parse_config(TrainConfig, ["--num_iteration=5"], PRESETS)
+
+
+@pytest.mark.parametrize("flag, expected", [("--num_iterations=abc", "an integer"), ("--cooldown_frac=x", "a number"),
+                                            ("--compile=maybe", "1 or 0")])
+def test_wrong_type_names_flag_and_expectation(flag, expected):
+    with pytest.raises(UserError, match=f"{flag.split('=')[0]} expects {expected}"):
+        parse_config(TrainConfig, [flag], PRESETS)
+
+
+def test_missing_value_and_unknown_preset():
+    with pytest.raises(UserError, match="--seq_len needs a value"):
+        parse_config(TrainConfig, ["--seq_len"], PRESETS)
+    with pytest.raises(UserError, match="choose one of: d12, smoke"):
+        parse_config(TrainConfig, ["--preset=huge"], PRESETS)
+
+
+def test_grad_accum_must_divide():
+    cfg = TrainConfig(batch_size=8, device_batch_size=3)
+    with pytest.raises(ValueError, match=r"--batch_size=8 must be a positive multiple of --device_batch_size=3 x 2"):
+        derive(cfg, world_size=2)
+    assert derive(TrainConfig(batch_size=8, device_batch_size=2), world_size=2).grad_accum == 2
+
+
+def test_seq_len_must_be_a_multiple_of_the_block():
+    with pytest.raises(ValueError, match=r"--seq_len=1000 must be a multiple of the attention block size 128; "
+                                         r"try --seq_len=896"):
+        derive(TrainConfig(seq_len=1000), world_size=1)

@@ -1,0 +1,214 @@
+"""data.loader: the token stream against a plain-Python reference, for every rank layout, shard walk and resume."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from data.loader import DataExhausted, TrainLoader, ValLoader
+from data.shard import BOS_ID, ShardError, write_shard
+
+T, B = 16, 8  # seq_len, batch_size (sequences per optimizer step)
+SHARD_SIZES = (300, 40, 7, 250, 180)  # tiny middle shards: sequences span up to three shards
+
+
+def make_documents(n_tokens: int, rng: np.random.Generator, max_doc: int = 3 * T) -> np.ndarray:
+    """BOS-led documents of random length up to max_doc (many longer than a sequence)."""
+    tokens = rng.integers(0, BOS_ID, size=n_tokens, dtype=np.int64)
+    position = 0
+    while position < n_tokens:
+        tokens[position] = BOS_ID
+        position += int(rng.integers(1, max_doc))
+    return tokens
+
+
+def write_shards(directory, sizes=SHARD_SIZES, seed=0, name="train"):
+    """Write consecutive pieces of one document stream as shards; return the stream."""
+    stream = make_documents(sum(sizes), np.random.default_rng(seed))
+    offsets = np.cumsum((0, *sizes))
+    for i, size in enumerate(sizes):
+        write_shard(directory / f"{name}_{i + 1:06d}.bin", stream[offsets[i]:offsets[i] + size])
+    return stream, str(directory / f"{name}_*.bin")
+
+
+def reference_steps(stream, steps, align, batch_size=B, seq_len=T):
+    """Each step's (batch_size, seq_len + 1) sequences, computed the slow obvious way."""
+    out, end = [], 0
+    for _ in range(steps):
+        rows = []
+        for _ in range(batch_size):
+            start = end
+            if align:
+                start = next((q for q in range(end, end + seq_len) if stream[q] == BOS_ID), end)
+            rows.append(stream[start:start + seq_len + 1])
+            end = start + seq_len
+        out.append(np.stack(rows))
+    return out
+
+
+def loaders_for(pattern, world_size, device_batch_size, **kwargs):
+    return [TrainLoader(pattern, seq_len=kwargs.pop("seq_len", T), batch_size=kwargs.pop("batch_size", B),
+                        device_batch_size=device_batch_size, rank=r, world_size=world_size, device="cpu",
+                        **kwargs) for r in range(world_size)]
+
+
+def take_step(loaders):
+    """One optimizer step from all ranks, rows put back in global sequence order."""
+    world_size, device_batch_size = len(loaders), loaders[0].device_batch_size
+    rows = np.zeros((loaders[0].batch_size, loaders[0].seq_len + 1), dtype=np.int64)
+    for m in range(loaders[0].grad_accum):
+        for rank, loader in enumerate(loaders):
+            inputs, targets = loader.next_batch()
+            assert inputs.dtype == torch.int32 and targets.dtype == torch.int64
+            assert inputs.shape == targets.shape == (device_batch_size, loader.seq_len)
+            assert torch.equal(inputs[:, 1:].long(), targets[:, :-1])
+            first = (m * world_size + rank) * device_batch_size
+            rows[first:first + device_batch_size] = torch.cat([inputs, targets[:, -1:].int()], 1).numpy()
+    return rows
+
+
+# (world_size, device_batch_size): grad_accum = B // (world_size * device_batch_size)
+LAYOUTS = [(1, 2), (2, 2), (4, 2), (1, 8), (2, 1), (8, 1)]
+
+
+@pytest.mark.parametrize("align", [False, True])
+def test_every_rank_layout_sees_the_reference_stream(tmp_path, align):
+    stream, pattern = write_shards(tmp_path)
+    steps = 4
+    expected = reference_steps(stream, steps, align)
+    for world_size, device_batch_size in LAYOUTS:
+        loaders = loaders_for(pattern, world_size, device_batch_size, align_to_bos=align)
+        for step in range(steps):
+            np.testing.assert_array_equal(take_step(loaders), expected[step],
+                                          err_msg=f"world {world_size}, device batch {device_batch_size}, step {step}")
+
+
+def test_alignment_starts_at_documents_and_survives_long_documents(tmp_path):
+    stream = make_documents(3000, np.random.default_rng(1), max_doc=T)  # documents shorter than a sequence
+    stream[400:400 + 4 * T] = 7  # except one far longer than a sequence
+    write_shard(tmp_path / "train_000001.bin", stream)
+    (loader,) = loaders_for(str(tmp_path / "train_*.bin"), 1, B)
+    steps = [take_step([loader]) for _ in range(10)]
+    for rows, expected in zip(steps, reference_steps(stream, 10, True)):
+        np.testing.assert_array_equal(rows, expected)
+    rows = np.concatenate(steps)
+    mid_document = rows[:, 0] != BOS_ID
+    # Only sequences inside the long document start mid-document, and they cover it without a gap.
+    assert 3 <= mid_document.sum() <= 5
+    assert (rows[mid_document][:, 1:-1] == 7).all(axis=1).sum() >= 3
+
+
+def test_resume_continues_on_exactly_the_next_token(tmp_path):
+    _, pattern = write_shards(tmp_path)
+    for align in (False, True):
+        for stop in (1, 2, 3):  # stop mid-shard 0, then in later shards after crossing boundaries
+            (straight,) = loaders_for(pattern, 1, 2, align_to_bos=align)
+            (first,) = loaders_for(pattern, 1, 2, align_to_bos=align)
+            expected = [take_step([straight]) for _ in range(stop + 1)]
+            for _ in range(stop):
+                take_step([first])
+            state = first.state_dict()
+            assert all(type(v) is int for v in state.values())
+            loaders = loaders_for(pattern, 2, 1, align_to_bos=align)  # resume on another layout, too
+            for loader in loaders:
+                loader.load_state_dict(state)
+            np.testing.assert_array_equal(take_step(loaders), expected[stop])
+
+
+def test_state_moves_across_shards(tmp_path):
+    _, pattern = write_shards(tmp_path)
+    (loader,) = loaders_for(pattern, 1, B, align_to_bos=False)
+    take_step([loader])
+    assert loader.state_dict() == {"shard": 0, "position": B * T, "epoch": 0}
+    take_step([loader])  # ends at token 256 of shard 0 (300 tokens)
+    take_step([loader])  # ends at 384 = 300 + 40 + 7 + 37: inside shard 3
+    assert loader.state_dict() == {"shard": 3, "position": 37, "epoch": 0}
+
+
+def test_data_exhausted_or_cycle(tmp_path):
+    stream, pattern = write_shards(tmp_path)
+    (loader,) = loaders_for(pattern, 1, B, align_to_bos=False)
+    full_steps = (len(stream) - 1) // (B * T)
+    for _ in range(full_steps):
+        take_step([loader])
+    state = loader.state_dict()
+    with pytest.raises(DataExhausted, match=r"cached_fineweb10B.py N.*--num_iterations") as error:
+        take_step([loader])
+    assert f"{len(stream):,} tokens" in str(error.value)
+    assert loader.state_dict() == state  # a failed step does not move the cursor
+
+    (cycling,) = loaders_for(pattern, 1, B, align_to_bos=True, cycle=True)
+    epochs = np.concatenate([stream] * 3)
+    expected = reference_steps(epochs, 12, True)
+    for step in range(12):
+        np.testing.assert_array_equal(take_step([cycling]), expected[step])
+    assert cycling.state_dict()["epoch"] >= 1
+
+
+def test_constructor_errors_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"--train_files='.*nothing_\*.bin'.*cached_fineweb10B.py"):
+        TrainLoader(str(tmp_path / "nothing_*.bin"), seq_len=T, batch_size=B, device_batch_size=1, rank=0,
+                    world_size=1, device="cpu")
+    _, pattern = write_shards(tmp_path)
+    with pytest.raises(ValueError, match=r"--batch_size=8 .*--device_batch_size=3 x 1 GPUs = 3"):
+        TrainLoader(pattern, seq_len=T, batch_size=B, device_batch_size=3, rank=0, world_size=1, device="cpu")
+    with pytest.raises(ValueError, match=r"holds 300 tokens.*--batch_size=8 x --seq_len=64 \+ 1 = 513"):
+        TrainLoader(pattern, seq_len=64, batch_size=B, device_batch_size=8, rank=0, world_size=1, device="cpu")
+    (loader,) = loaders_for(pattern, 1, B)
+    with pytest.raises(ValueError, match="--train_files the run started with"):
+        loader.load_state_dict({"shard": 9, "position": 0, "epoch": 0})
+
+
+def test_bad_token_id_is_reported_with_its_shard(tmp_path):
+    stream, pattern = write_shards(tmp_path)
+    bad = stream[300:340].copy()
+    bad[5] = 60_000
+    write_shard(tmp_path / "train_000002.bin", bad)
+    (loader,) = loaders_for(pattern, 1, B, align_to_bos=False)
+    take_step([loader])
+    take_step([loader])
+    with pytest.raises(ShardError, match=r"train_000002.bin.*60000"):
+        take_step([loader])
+
+
+@pytest.mark.parametrize("world_size,device_batch_size", [(1, 1), (2, 3), (4, 2)])
+def test_val_loader_counts_exactly_val_tokens(tmp_path, world_size, device_batch_size):
+    stream, pattern = write_shards(tmp_path, sizes=(150, 200), name="val")
+    val_tokens = 301
+    loaders = [ValLoader(pattern, val_tokens=val_tokens, seq_len=T, device_batch_size=device_batch_size, rank=r,
+                         world_size=world_size, device="cpu") for r in range(world_size)]
+    assert loaders[0].num_steps == math.ceil(val_tokens / (world_size * device_batch_size * T))
+    for _ in range(2):  # every pass starts from the beginning
+        inputs, targets = [], []
+        for batches in zip(*loaders):  # step by step; ranks in order give consecutive sequences
+            for x, y in batches:
+                assert x.dtype == torch.int32 and y.dtype == torch.int64 and x.shape == (device_batch_size, T)
+                inputs.append(x.flatten())
+                targets.append(y.flatten())
+        inputs, targets = torch.cat(inputs).numpy(), torch.cat(targets).numpy()
+        assert (targets != -100).sum() == val_tokens
+        np.testing.assert_array_equal(targets[:val_tokens], stream[1:val_tokens + 1])
+        np.testing.assert_array_equal(inputs[:val_tokens], stream[:val_tokens])
+        assert (targets[val_tokens:] == -100).all()
+
+
+def test_val_loader_errors(tmp_path):
+    _, pattern = write_shards(tmp_path, sizes=(150, 200), name="val")
+    kwargs = dict(seq_len=T, device_batch_size=1, rank=0, world_size=1, device="cpu")
+    with pytest.raises(ValueError, match="--val_tokens=0 must be positive"):
+        ValLoader(pattern, val_tokens=0, **kwargs)
+    with pytest.raises(ValueError, match=r"hold 350 tokens, but --val_tokens=350 needs 351"):
+        ValLoader(pattern, val_tokens=350, **kwargs)
+    with pytest.raises(ValueError, match=r"--val_files=.*cached_fineweb10B"):
+        ValLoader(str(tmp_path / "missing_*.bin"), val_tokens=10, **kwargs)
+
+
+@pytest.mark.gpu
+def test_cuda_batches_match_cpu(tmp_path):
+    _, pattern = write_shards(tmp_path)
+    (cpu,) = loaders_for(pattern, 1, 2)
+    gpu = TrainLoader(pattern, seq_len=T, batch_size=B, device_batch_size=2, rank=0, world_size=1, device="cuda")
+    for _ in range(2 * cpu.grad_accum):
+        (x, y), (xg, yg) = cpu.next_batch(), gpu.next_batch()
+        assert xg.is_cuda and xg.dtype == torch.int32 and yg.dtype == torch.int64
+        assert torch.equal(x, xg.cpu()) and torch.equal(y, yg.cpu())

@@ -1,0 +1,205 @@
+"""model/gpt.py: zero-init and the ln(V) first loss, untied head, softcap bound, parameter groups, reductions,
+causality and document isolation on both attention backends, and a tiny model that learns."""
+
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+
+from model.gpt import GPT, GPTConfig, flops_per_token
+
+BOS = 0
+TINY = GPTConfig(vocab_size=256, num_layers=4, model_dim=64, num_heads=2, head_dim=32, num_value_embeds=1,
+                 block_size=32, bos_id=BOS)
+T = 128
+
+
+def tiny_model(config=TINY, backend="sdpa", random=False) -> GPT:
+    """Seeded tiny model in fp32; `random` replaces the zero-initialised projections and head by random weights so
+    that information flows through attention (a zero-init model would pass causality tests trivially)."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    model.init_weights()
+    model.attention_backend = backend
+    model.compute_dtype = torch.float32
+    if random:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.3 if p.ndim >= 2 else 1.0)
+    return model
+
+
+def batch(vocab=TINY.vocab_size, bos=BOS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(1, vocab, (2, T), generator=g)
+    inputs[:, 0] = bos
+    inputs[0, [37, 90]] = bos
+    targets = torch.randint(0, vocab, (2, T), generator=g)
+    return inputs, targets
+
+
+def no_grad_for(backend):
+    # FlexAttention has no CPU backward, so its CPU checks run forward-only
+    return torch.no_grad() if backend == "flex" else torch.enable_grad()
+
+
+def test_zero_init_and_initial_loss_is_ln_vocab():
+    config = GPTConfig(num_layers=2, model_dim=64, num_heads=2, head_dim=32, num_value_embeds=1, block_size=32)
+    torch.manual_seed(0)
+    model = GPT(config)
+    model.init_weights()
+    model.attention_backend = "sdpa"
+    for block in model.blocks:
+        assert not block.attn.proj_w.any() and not block.mlp.proj_w.any()
+    assert not model.head.weight.any()
+    inputs, targets = batch(config.vocab_size, config.bos_id)
+    loss = model(inputs, targets, torch.tensor(T))  # default bf16 compute
+    assert abs(loss.item() - math.log(50304)) < 1e-3
+
+
+def test_head_and_embedding_do_not_share_storage():
+    model = tiny_model()
+    assert model.head.weight.untyped_storage().data_ptr() != model.embed.weight.untyped_storage().data_ptr()
+    with torch.no_grad():
+        model.head.weight.fill_(1.0)
+    assert not torch.equal(model.embed.weight, model.head.weight)
+
+
+def test_logits_never_exceed_softcap():
+    model = tiny_model(random=True)
+    with torch.no_grad():
+        model.head.weight.normal_(0.0, 100.0)  # raw logits in the thousands
+        logits = model.logits(*batch()[:1], torch.tensor(T))
+    assert logits.dtype == torch.float32
+    assert logits.abs().max() <= TINY.logit_softcap
+    assert logits.abs().max() > 0.99 * TINY.logit_softcap  # the cap was active, not merely unreached
+
+
+def test_param_groups_cover_every_parameter_once():
+    model = tiny_model()
+    groups = model.param_groups()
+    assert [(g["kind"], g["name"]) for g in groups] == [("muon", "hidden"), ("adam", "embed"), ("adam", "value_embed"),
+                                                       ("adam", "head"), ("adam", "scalar")]
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters())
+    hidden = groups[0]["params"]
+    assert len(hidden) == 4 * TINY.num_layers and all(p.ndim >= 2 for p in hidden)
+    assert {tuple(p.shape) for p in hidden} == {(3, 64, 64), (64, 64), (256, 64), (64, 256)}
+    assert all(p.ndim <= 1 for p in groups[4]["params"])
+    no_ve = tiny_model(dataclasses.replace(TINY, num_value_embeds=0))
+    assert "value_embed" not in [g["name"] for g in no_ve.param_groups()]
+
+
+def test_default_config_sizes():
+    with torch.device("meta"):
+        model = GPT(GPTConfig())
+    # 5 vocab x 768 tables (embed, 3 value embeds, head) + 12 blocks x (12 * 768^2 matrices + 5 scalars) + 6 skips
+    assert model.num_params() == 5 * 50304 * 768 + 12 * (12 * 768 ** 2 + 5) + 6 == 278_102_082
+    # 6 * N_matmul (12 * 12 * 768^2 + 50304 * 768 = 123,568,128) = 741,408,768; attention at T = window = 1024:
+    # 4 long layers 12 * 768 * 512.5 + 8 short layers (window 512) 12 * 768 * 384.25 = 47,222,784
+    assert flops_per_token(GPTConfig(), 1024, 1024) == 788_631_552
+    assert flops_per_token(GPTConfig(), 1024, 256) < flops_per_token(GPTConfig(), 1024, 1024)
+    config = GPTConfig()
+    assert [config.value_embed_index(i) for i in range(12)] == [0, 1, 2] + [None] * 6 + [0, 1, 2]
+    assert [i for i in range(12) if config.is_short_window(i)] == [1, 2, 3, 5, 6, 7, 9, 10]
+
+
+def test_init_is_reproducible_from_meta():
+    with torch.device("meta"):
+        model = GPT(TINY)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    reference = tiny_model()
+    for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert model.blocks[0].lambdas.tolist() == [1.0, 0.0] and model.skip_weights.tolist() == [1.0, 1.0]
+
+
+def test_reductions_agree_and_ignore_minus_100():
+    model = tiny_model(random=True)
+    inputs, targets = batch()
+    targets[0, :10] = -100
+    targets[1, 50] = -100
+    window = torch.tensor(64)
+    per_token = model(inputs, targets, window, reduction="none")
+    assert per_token.shape == (2, T)
+    assert torch.all(per_token[targets == -100] == 0) and torch.all(per_token[targets != -100] > 0)
+    total = model(inputs, targets, window, reduction="sum")
+    mean = model(inputs, targets, window)
+    assert torch.allclose(total, per_token.sum(), rtol=1e-5)
+    assert torch.allclose(mean, total / (targets != -100).sum(), rtol=1e-5)
+    with pytest.raises(ValueError, match="reduction"):
+        model(inputs, targets, window, reduction="avg")
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_causality_and_document_isolation(backend):
+    model = tiny_model(backend=backend, random=True)
+    inputs, _ = batch()  # row 0: documents [0, 37), [37, 90), [90, 128)
+    window = torch.tensor(T)
+    with no_grad_for(backend), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex_attention warns that it is unfused
+        base = model.logits(inputs, window)
+        future = inputs.clone()
+        future[1, 100] = 7 if inputs[1, 100] != 7 else 8
+        changed = model.logits(future, window)
+        other_doc = inputs.clone()
+        other_doc[0, 60] = 7 if inputs[0, 60] != 7 else 8
+        isolated = model.logits(other_doc, window)
+    # exact: masked keys get weight exp(-inf) = 0, so nothing of them can leak in
+    assert torch.equal(changed[1, :100], base[1, :100]) and torch.equal(changed[0], base[0])
+    assert not torch.allclose(changed[1, 100:], base[1, 100:])  # the change is visible where it is allowed
+    assert torch.equal(isolated[0, :37], base[0, :37]) and torch.equal(isolated[0, 90:], base[0, 90:])
+    assert not torch.allclose(isolated[0, 60:90], base[0, 60:90])
+
+
+def test_flex_and_sdpa_models_agree():
+    sdpa, flex = tiny_model(random=True), tiny_model(backend="flex", random=True)
+    inputs, targets = batch()
+    for window in (32, 80, T):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            a = sdpa(inputs, targets, torch.tensor(window), reduction="none")
+            b = flex(inputs, targets, torch.tensor(window), reduction="none")
+        assert (a - b).abs().max() < 1e-4  # fp32; losses of order 10 with random weights
+
+
+def test_every_parameter_gets_a_gradient():
+    model = tiny_model(random=True)
+    model(*batch(), torch.tensor(64)).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_user_errors():
+    model = tiny_model(backend="flex")
+    inputs, targets = batch()
+    with pytest.raises(ValueError, match="attention_backend = 'sdpa'"):
+        model(inputs, targets, torch.tensor(64))
+    with torch.no_grad(), pytest.raises(ValueError, match="multiple of the attention block size"):
+        model(inputs[:, :100], targets[:, :100], torch.tensor(64))
+    with pytest.raises(ValueError, match="num_value_embeds"):
+        GPTConfig(num_layers=4, num_value_embeds=3)
+
+
+def test_tiny_model_learns_a_repeating_pattern():
+    """50 AdamW steps on a periodic sequence in the default bf16 compute: the loss must fall far below ln(V)."""
+    model = tiny_model()
+    model.compute_dtype = torch.bfloat16
+    seq_len = 64  # two attention blocks: small, because bf16 matmuls are emulated on most CPUs
+    pattern = torch.randint(1, TINY.vocab_size, (16,), generator=torch.Generator().manual_seed(3))
+    stream = torch.cat([torch.tensor([BOS]), pattern.repeat(seq_len // 16 + 1)])
+    inputs, targets = stream[:seq_len].repeat(2, 1), stream[1:seq_len + 1].repeat(2, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    losses = []
+    for _ in range(50):
+        loss = model(inputs, targets, torch.tensor(seq_len))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert abs(losses[0] - math.log(TINY.vocab_size)) < 1e-3
+    assert losses[-1] < 0.01 * losses[0], losses[::10]  # measured: 5.55 -> 0.0006 (the rows are memorisable)

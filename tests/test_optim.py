@@ -1,0 +1,194 @@
+"""optim/: Newton–Schulz against the exact polar factor, Adam against torch.optim.AdamW, Muon against the
+formula written out by hand, checkpoint round trips, and no communication at world size 1."""
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from optim.muon import NS_COEFFICIENTS, newton_schulz
+from optim.optimizer import MuonAdam
+
+
+def well_conditioned(shape, cond=100.0, scale=37.0, seed=0):
+    """A random matrix batch with singular values log-spaced over [1/cond, 1] (times `scale`, to show the
+    result does not depend on it) and its exact polar factor U V^T."""
+    gen = torch.Generator().manual_seed(seed)
+    *batch, m, n = shape
+    k = min(m, n)
+    u = torch.linalg.qr(torch.randn(*batch, m, k, generator=gen)).Q
+    v = torch.linalg.qr(torch.randn(*batch, n, k, generator=gen)).Q
+    s = torch.logspace(0, -torch.log10(torch.tensor(cond)).item(), k)[torch.randperm(k, generator=gen)]
+    return scale * (u * s) @ v.mT, u @ v.mT
+
+
+# Measured over shapes like these with condition number 100: singular values in [0.67, 1.206], cosine to
+# the polar factor >= 0.982. The quintic's fixed band is about [0.68, 1.2] (its maximum on [0, 1] is 1.2024
+# at x = 0.554); bf16 rounding adds a little.
+@pytest.mark.parametrize("shape", [(64, 64), (96, 32), (32, 96), (4, 48, 48), (3, 16, 8)])
+def test_newton_schulz_singular_values_near_one_and_direction_is_polar_factor(shape):
+    g, polar = well_conditioned(shape)
+    out = newton_schulz(g)
+    assert out.dtype == torch.bfloat16 and out.shape == g.shape
+    s = torch.linalg.svdvals(out.float())
+    assert s.min() > 0.6 and s.max() < 1.22, (s.min().item(), s.max().item())
+    out = out.float()
+    cosine = (out * polar).sum((-2, -1)) / (out.norm(dim=(-2, -1)) * polar.norm(dim=(-2, -1)))
+    assert cosine.min() > 0.97, cosine
+
+
+def test_newton_schulz_batch_matches_one_matrix_at_a_time_and_zero_stays_zero():
+    g, _ = well_conditioned((5, 24, 40))
+    one_by_one = torch.stack([newton_schulz(x) for x in g])
+    # Batching must not mix matrices: any mixing would move entries by O(0.1), one bf16 rounding by < 1e-2.
+    torch.testing.assert_close(newton_schulz(g).float(), one_by_one.float(), atol=1e-2, rtol=0)
+    # Rank padding in the distributed optimizer relies on a zero matrix giving a zero update (no NaN).
+    assert torch.equal(newton_schulz(torch.zeros(2, 8, 4)), torch.zeros(2, 8, 4, dtype=torch.bfloat16))
+
+
+def test_adam_groups_match_torch_adamw_over_ten_steps():
+    torch.manual_seed(0)
+    shapes = {"embed": [(10, 6)], "scalar": [(), (3,)]}
+    lr = {"embed": 0.01, "scalar": 0.003}
+    ours = {n: [torch.randn(s) for s in ss] for n, ss in shapes.items()}
+    theirs = {n: [p.clone().requires_grad_() for p in ps] for n, ps in ours.items()}
+    opt = MuonAdam([{"kind": "adam", "name": n, "params": ps} for n, ps in ours.items()], lr=lr,
+                   adam_betas=(0.8, 0.95), adam_eps=1e-10)
+    ref = torch.optim.AdamW([{"params": ps, "lr": lr[n]} for n, ps in theirs.items()], betas=(0.8, 0.95),
+                            eps=1e-10, weight_decay=0.0)
+    for step in range(10):
+        mult = 1.0 - 0.05 * step  # a changing schedule value must reach both the same way
+        for n in shapes:
+            for p, q in zip(ours[n], theirs[n]):
+                p.grad = torch.randn_like(p)
+                q.grad = p.grad.clone()
+        for group, n in zip(ref.param_groups, shapes):
+            group["lr"] = lr[n] * mult
+        opt.step(mult, 0.95)
+        ref.step()
+    for n in shapes:
+        for p, q in zip(ours[n], theirs[n]):
+            # Same arithmetic up to where fp32 rounds (bias corrections as 0-D fp32 tensors vs. Python floats).
+            torch.testing.assert_close(p, q.detach(), rtol=1e-6, atol=1e-7)
+
+
+def reference_newton_schulz(x):
+    """The quintic iteration written out once more, step by step, for a single 2-D matrix."""
+    a, b, c = NS_COEFFICIENTS
+    x = x.bfloat16()
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / (torch.linalg.matrix_norm(x) + 1e-7)
+    for _ in range(5):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x.T if tall else x
+
+
+def test_muon_step_matches_the_formula_by_hand():
+    torch.manual_seed(1)
+    w = torch.randn(12, 6)  # tall: scale sqrt(12/6)
+    ref_w, momentum = w.clone(), torch.zeros_like(w)
+    opt = MuonAdam([{"kind": "muon", "name": "hidden", "params": [w]}], lr={"hidden": 0.05})
+    for step, (mult, beta) in enumerate([(1.0, 0.85), (0.5, 0.9), (0.25, 0.95)]):
+        g = torch.randn(12, 6)
+        w.grad = g.clone()
+        opt.step(mult, beta)
+        momentum = beta * momentum + (1 - beta) * g
+        nesterov = (1 - beta) * g + beta * momentum
+        ref_w -= 0.05 * mult * 2 ** 0.5 * reference_newton_schulz(nesterov).float()
+        # Measured equal over 30 seeds; the tolerance (1% of lr) only allows the lerp in the optimizer and
+        # the expanded formula here to round fp32 differently and flip a bf16 rounding. A wrong scale,
+        # momentum or Nesterov term moves entries by O(lr).
+        torch.testing.assert_close(w, ref_w, atol=0.05 * 1e-2, rtol=0, msg=f"step {step}")
+
+
+def test_muon_treats_leading_dims_of_a_3d_parameter_as_separate_matrices():
+    torch.manual_seed(2)
+    qkv = torch.randn(3, 8, 8)
+    slices = [qkv[i].clone() for i in range(3)]
+    batched = MuonAdam([{"kind": "muon", "name": "hidden", "params": [qkv]}], lr={"hidden": 0.05})
+    separate = MuonAdam([{"kind": "muon", "name": "hidden", "params": slices}], lr={"hidden": 0.05})
+    for _ in range(2):
+        g = torch.randn(3, 8, 8)
+        qkv.grad = g.clone()
+        for i, s in enumerate(slices):
+            s.grad = g[i].clone()
+        batched.step(1.0, 0.9)
+        separate.step(1.0, 0.9)
+    torch.testing.assert_close(qkv, torch.stack(slices), atol=1e-6, rtol=0)
+
+
+def make_groups(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = [torch.randn(8, 8, generator=gen), torch.randn(16, 8, generator=gen), torch.randn(8, 8, generator=gen),
+              torch.randn(2, 8, 8, generator=gen)]
+    embed = [torch.randn(11, 8, generator=gen)]
+    scalar = [torch.randn((), generator=gen), torch.randn(4, generator=gen)]
+    return [{"kind": "muon", "name": "hidden", "params": hidden}, {"kind": "adam", "name": "embed", "params": embed},
+            {"kind": "adam", "name": "scalar", "params": scalar}]
+
+
+LR = {"hidden": 0.05, "embed": 0.3, "scalar": 0.02}
+
+
+def run_steps(opt, groups, steps):
+    for step in steps:
+        gen = torch.Generator().manual_seed(100 + step)
+        for g in groups:
+            for p in g["params"]:
+                p.grad = torch.randn(p.shape, generator=gen)
+        opt.step(1.0 - 0.1 * step, 0.85 + 0.02 * step)
+        opt.zero_grad()
+
+
+def test_state_dict_round_trip_resumes_bitwise():
+    straight = make_groups()
+    opt = MuonAdam(straight, lr=LR)
+    run_steps(opt, straight, range(5))
+
+    first = make_groups()
+    opt = MuonAdam(first, lr=LR)
+    run_steps(opt, first, range(3))
+    buf = io.BytesIO()
+    torch.save({"optimizer": opt.state_dict(), "params": [p for g in first for p in g["params"]]}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    resumed = make_groups(seed=1)  # different values: everything must come from the checkpoint
+    for p, q in zip([p for g in resumed for p in g["params"]], saved["params"]):
+        p.copy_(q)
+    opt = MuonAdam(resumed, lr=LR)
+    opt.load_state_dict(saved["optimizer"])
+    assert opt.step_count == 3
+    run_steps(opt, resumed, range(3, 5))
+
+    for a, b in zip([p for g in straight for p in g["params"]], [p for g in resumed for p in g["params"]]):
+        assert torch.equal(a, b)
+
+
+def test_load_state_dict_refuses_a_different_model():
+    opt = MuonAdam(make_groups(), lr=LR)
+    state = opt.state_dict()
+    other = make_groups()
+    other[1]["params"] = [torch.randn(12, 8)]
+    with pytest.raises(ValueError, match="model configuration"):
+        MuonAdam(other, lr=LR).load_state_dict(state)
+
+
+def test_missing_learning_rate_is_a_value_error():
+    with pytest.raises(ValueError, match="'scalar'"):
+        MuonAdam(make_groups(), lr={"hidden": 0.05, "embed": 0.3})
+
+
+def test_world_size_one_never_communicates(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a collective was called at world size 1")
+
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                 "broadcast", "barrier"):
+        monkeypatch.setattr(dist, name, forbidden)
+    groups = make_groups()
+    before = [p.clone() for g in groups for p in g["params"]]
+    run_steps(MuonAdam(groups, lr=LR), groups, range(2))
+    assert all(not torch.equal(a, b) for a, b in zip(before, [p for g in groups for p in g["params"]]))

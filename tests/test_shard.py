@@ -1,0 +1,67 @@
+"""data.shard: the llm.c / speedrun .bin layout byte for byte, and a clear error for every bad file."""
+import numpy as np
+import pytest
+
+from data.shard import (BOS_ID, HEADER_BYTES, MAGIC, VERSION, VOCAB_SIZE, ShardError, check_token_ids, read_header,
+                        read_shard, write_shard)
+
+
+def test_round_trip_and_exact_layout(tmp_path):
+    tokens = np.array([BOS_ID, 0, 1, 65535, 464, 2068], dtype=np.int64)
+    path = tmp_path / "a.bin"
+    write_shard(path, tokens)
+    raw = path.read_bytes()
+    header = np.frombuffer(raw[:HEADER_BYTES], dtype="<i4")
+    assert (header[0], header[1], header[2]) == (20240520, 1, 6) and not header[3:].any()
+    assert raw[HEADER_BYTES:] == tokens.astype("<u2").tobytes()
+    assert read_header(path) == 6
+    loaded = read_shard(path)
+    assert loaded.dtype == np.uint16
+    np.testing.assert_array_equal(loaded, tokens)
+    assert [p.name for p in tmp_path.iterdir()] == ["a.bin"]  # no temporary file left behind
+
+
+def test_empty_shard(tmp_path):
+    write_shard(tmp_path / "e.bin", np.array([], dtype=np.uint16))
+    assert read_header(tmp_path / "e.bin") == 0 and read_shard(tmp_path / "e.bin").size == 0
+
+
+@pytest.mark.parametrize("tokens,match", [
+    ([1, 65536], r"\[0, 65536\).*\[1, 65536\]"),
+    ([-1, 5], r"\[0, 65536\).*\[-1, 5\]"),
+    ([[1, 2]], "must be 1-D"),
+])
+def test_write_refuses_what_does_not_fit(tmp_path, tokens, match):
+    with pytest.raises(ValueError, match=match):
+        write_shard(tmp_path / "x.bin", np.array(tokens))
+    assert not list(tmp_path.iterdir())
+
+
+def header_bytes(magic=MAGIC, version=VERSION, count=4):
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = (magic, version, count)
+    return header.tobytes()
+
+
+@pytest.mark.parametrize("content,match", [
+    (b"\x00" * 100, r"only 100 bytes, shorter than the 1024-byte header.*re-download"),
+    (header_bytes(magic=12345) + b"\x00" * 8, r"magic number 12345, expected 20240520.*data\.prepare"),
+    (header_bytes(version=7) + b"\x00" * 8, r"format version 7, expected 1.*data\.prepare"),
+    (header_bytes(count=4) + b"\x00" * 6, r"header says 4 tokens \(8 bytes\) but only 6 bytes.*incomplete"),
+    (header_bytes(count=-3) + b"\x00" * 6, r"header says -3 tokens"),
+    (header_bytes(count=4) + b"\x00" * 10, r"header says 4 tokens \(8 bytes\) but 10 bytes.*corrupt"),
+])
+def test_every_bad_file_names_itself_the_problem_and_the_fix(tmp_path, content, match):
+    path = tmp_path / "bad_000001.bin"
+    path.write_bytes(content)
+    for reader in (read_header, read_shard):
+        with pytest.raises(ShardError, match=match) as error:
+            reader(path)
+        assert str(path) in str(error.value)
+        assert "cached_fineweb10B.py" in str(error.value) and "data.prepare" in str(error.value)
+
+
+def test_token_ids_outside_the_vocabulary(tmp_path):
+    check_token_ids(np.array([0, VOCAB_SIZE - 1], dtype=np.uint16), "ok.bin")
+    with pytest.raises(ShardError, match=r"bad.bin: holds token id 50257, but the GPT-2 vocabulary has 50257"):
+        check_token_ids(np.array([3, VOCAB_SIZE, 2], dtype=np.uint16), "bad.bin")

@@ -1,0 +1,420 @@
+"""Train a GPT-2-class model as fast as the hardware allows: the story of one run, top to bottom.
+
+    torchrun --standalone --nproc_per_node=8 train_gpt2.py            # the 124M speedrun (record config)
+    python train_gpt2.py --preset smoke                                # tiny CPU run on the shipped sample
+
+1. config  2. processes and run folder  3. data  4. model and optimizer  5. compile warm-up, then restore
+6. resume  7. the training loop  8. the end of the run
+"""
+import copy
+import dataclasses
+import math
+import os
+import resource
+import shutil
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from data.loader import TrainLoader, ValLoader
+from data.prepare import ensure_sample_shards
+from model.gpt import GPT, GPTConfig
+from optim.optimizer import MuonAdam
+from optim.schedule import attention_window, lr_multiplier, muon_momentum
+from runtime import checkpoint, dist
+from runtime.cli import parse_config
+from runtime.errors import UserError, exit_on_user_error
+from runtime.logger import RunLog
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Every setting of a run. The defaults are the 124M speedrun on FineWeb (modded-nanogpt record #28)."""
+    preset: str = "d12"  # named overrides applied before the flags: d12 (default), smoke, d24, d36, d48
+    # data
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards; "sample" = data/sample
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"  # glob of validation shards; "sample" = data/sample
+    val_tokens: int = 10_485_760  # tokens per validation, fixed by the speedrun so runs are comparable
+    seq_len: int = 48 * 1024  # tokens per packed sequence, a multiple of 128 (record #28)
+    batch_size: int = 8  # sequences per optimizer step over all GPUs: 8 x 48K = 393,216 tokens (record #28)
+    device_batch_size: int = 1  # sequences per GPU per micro-step; lower it (or seq_len) when memory is short
+    align_to_bos: bool = True  # start each sequence at a document start (record #28's aligned batches)
+    cycle_data: bool = False  # start over at the first shard when the shards run out, instead of stopping
+    # model
+    num_layers: int = 12  # GPT-2 small depth
+    model_dim: int = 768  # GPT-2 small width
+    num_heads: int = 6  # 6 heads of 128 (modded-nanogpt), not GPT-2's 12 of 64
+    head_dim: int = 128  # per-head width
+    vocab_size: int = 50304  # GPT-2's 50,257 padded to a multiple of 128 for fast matmuls
+    num_value_embeds: int = 3  # value embeddings shared by the first and last 3 layers (record #28); 0 = off
+    logit_softcap: float = 30.0  # cap * tanh(logits / cap), as in the seed-era records (from Gemma 2)
+    # optimization
+    num_iterations: int = 1750  # optimizer steps, about the length of the mid-2025 records
+    cooldown_frac: float = 0.45  # last fraction of steps over which the learning rate decays (record #28)
+    final_lr_frac: float = 0.1  # learning rate at the last step, as a fraction of the peak (record #28)
+    lr_hidden: float = 0.05  # Muon learning rate for the hidden matrices (record #28)
+    lr_embed: float = 0.3  # Adam learning rate for token and value embeddings (record #28)
+    lr_head: float = 0.008  # Adam learning rate for the LM head (record #28)
+    lr_scalar: float = 0.04  # Adam learning rate for the mixing scalars (record #28)
+    window_min_tokens: int = 128  # attention window at step 0 (one block), grown linearly during training
+    window_max_tokens: int = 1792  # attention window at the last step (record #28's long window)
+    # run
+    val_loss_every: int = 125  # steps between validations (0 = only at the start and the end)
+    log_every: int = 1  # steps between train-loss lines; each line syncs the GPU once
+    checkpoint_every: int = 0  # steps between checkpoints (0 = none)
+    resume: str = ""  # checkpoint file, or run folder, to continue from
+    log_dir: str = "logs"  # each run writes log.txt, metrics.jsonl and checkpoints into a new folder here
+    seed: int = 0  # seeds the initial weights
+    compile: bool = True  # torch.compile the transformer blocks and the loss (1/0)
+    warmup_steps: int = 10  # untimed steps that compile and warm up, then the initial state is restored
+    device: str = "auto"  # auto, cuda or cpu
+    hellaswag: bool = False  # run the HellaSwag evaluation at the end of training
+    hellaswag_file: str = ""  # local hellaswag_val.jsonl for machines without network
+
+
+PRESETS: dict[str, dict] = {
+    # the record run: modded-nanogpt record #28 (2025-08-23), 124M, 393,216 tokens per step
+    "d12": {},
+    # a tiny model on the sample corpus that ships in the repo: trains in well under a minute on 2 CPU cores
+    "smoke": dict(train_files="sample", val_files="sample", val_tokens=4_096, seq_len=256, batch_size=2,
+                  device_batch_size=2, num_layers=2, model_dim=64, num_heads=2, head_dim=32, num_value_embeds=1,
+                  num_iterations=40, cooldown_frac=0.3,
+                  window_min_tokens=128, window_max_tokens=256, val_loss_every=20, log_every=5,
+                  lr_embed=0.1, lr_head=0.01, warmup_steps=1, compile=False),
+    # GPT-2 medium shape (350M; 24 layers, 1024 wide, 16 heads of 64); target val 2.92 = llm.c's GPT-2 medium
+    "d24": dict(num_layers=24, model_dim=1024, num_heads=16, head_dim=64, num_iterations=5000, lr_hidden=0.03),
+    # GPT-2 large shape (774M; 36 layers, 1280 wide, 20 heads of 64); lower LRs as width grows (muP intuition)
+    "d36": dict(num_layers=36, model_dim=1280, num_heads=20, head_dim=64, seq_len=32 * 1024, batch_size=16,
+                num_iterations=7000, lr_hidden=0.025, lr_embed=0.2),
+    # GPT-2 XL shape (1.5B; 48 layers, 1600 wide, 25 heads of 64), as in the speedrun's 1.5B scale-up
+    "d48": dict(num_layers=48, model_dim=1600, num_heads=25, head_dim=64, seq_len=16 * 1024, batch_size=32,
+                num_iterations=10000, lr_hidden=0.02, lr_embed=0.15),
+}
+
+# Fields that never change the training math: a resumed run may differ in these and still be the same run.
+RESUME_MAY_CHANGE = {"resume", "log_dir", "checkpoint_every", "val_loss_every", "log_every", "compile",
+                     "warmup_steps", "device", "hellaswag", "hellaswag_file", "val_files", "val_tokens", "preset"}
+BLOCK_SIZE = 128  # FlexAttention's tile: packed sequences are cut into blocks of this many tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Derived:
+    grad_accum: int  # micro-steps per optimizer step on each rank
+    tokens_per_step: int  # all ranks together
+
+
+def derive(cfg: TrainConfig, world_size: int) -> Derived:
+    """The numbers that follow from the config; a ValueError names the flag when they do not fit."""
+    per_micro_step = cfg.device_batch_size * world_size
+    if cfg.device_batch_size <= 0 or cfg.batch_size <= 0 or cfg.batch_size % per_micro_step:
+        raise ValueError(f"--batch_size={cfg.batch_size} must be a positive multiple of --device_batch_size="
+                         f"{cfg.device_batch_size} x {world_size} processes = {per_micro_step}; pick a "
+                         f"--device_batch_size that divides {cfg.batch_size // world_size or 1}")
+    if cfg.seq_len <= 0 or cfg.seq_len % BLOCK_SIZE:
+        fit = max(BLOCK_SIZE, cfg.seq_len // BLOCK_SIZE * BLOCK_SIZE)
+        raise ValueError(f"--seq_len={cfg.seq_len} must be a multiple of the attention block size {BLOCK_SIZE}; "
+                         f"try --seq_len={fit}")
+    if cfg.num_iterations <= 0:
+        raise ValueError(f"--num_iterations={cfg.num_iterations} must be positive")
+    if not 0 < cfg.window_min_tokens <= cfg.window_max_tokens:
+        raise ValueError(f"--window_min_tokens={cfg.window_min_tokens} must be positive and at most "
+                         f"--window_max_tokens={cfg.window_max_tokens}")
+    for name in ("val_loss_every", "checkpoint_every", "warmup_steps"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"--{name}={getattr(cfg, name)} must be 0 or more")
+    if cfg.log_every <= 0:
+        raise ValueError(f"--log_every={cfg.log_every} must be positive")
+    return Derived(grad_accum=cfg.batch_size // per_micro_step, tokens_per_step=cfg.batch_size * cfg.seq_len)
+
+
+def model_config(cfg: TrainConfig) -> GPTConfig:
+    return GPTConfig(vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, model_dim=cfg.model_dim,
+                     num_heads=cfg.num_heads, head_dim=cfg.head_dim, num_value_embeds=cfg.num_value_embeds,
+                     logit_softcap=cfg.logit_softcap, block_size=BLOCK_SIZE)
+
+
+def make_run_dir(cfg: TrainConfig, rt: dist.Runtime) -> Path:
+    """A fresh folder under --log_dir, proven writable (and roomy enough for checkpoints) before training."""
+    run_id = dist.broadcast_object(time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6], rt)
+    run_dir = Path(cfg.log_dir) / run_id
+    if rt.is_master:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            probe = run_dir / ".write_probe"
+            probe.write_bytes(b"\0" * 4096)
+            probe.unlink()
+        except OSError as e:
+            raise UserError(f"--log_dir={cfg.log_dir} is not writable ({e.strerror}); "
+                            f"pass a folder you can write to, e.g. --log_dir=/tmp/logs") from None
+    return run_dir
+
+
+def check_disk_space(run_dir: Path, needed_bytes: int, what: str) -> None:
+    free = shutil.disk_usage(run_dir).free
+    if free < needed_bytes:
+        raise UserError(f"--log_dir={run_dir.parent} has {free / 2**30:.2f} GiB free but {what} needs about "
+                        f"{needed_bytes / 2**30:.2f} GiB; free some space or pass another --log_dir")
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def oom_advice(cfg: TrainConfig) -> str:
+    if cfg.device_batch_size > 1:
+        return (f"try --device_batch_size={cfg.device_batch_size // 2} (gradient accumulation keeps the global "
+                f"batch of {cfg.batch_size} sequences)")
+    half = max(BLOCK_SIZE, cfg.seq_len // 2 // BLOCK_SIZE * BLOCK_SIZE)
+    return (f"try --seq_len={half} --batch_size={cfg.batch_size * 2} (the same tokens per step in shorter "
+            f"sequences)")
+
+
+class StopRequest:
+    """Turns SIGINT/SIGTERM into a flag the loop checks, so a stop ends with a checkpoint, not a crash."""
+
+    def __init__(self):
+        self.signal = 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signal = signum
+
+
+def main(argv: list[str] | None = None) -> int:
+    # ----------------------------------------------------------------------------------------------
+    # 1. config
+    cfg = parse_config(TrainConfig, sys.argv[1:] if argv is None else argv, PRESETS)
+    rt = dist.setup(cfg.device)
+    try:
+        return train(cfg, rt)
+    finally:
+        dist.teardown()
+
+
+def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
+    derived = derive(cfg, rt.world_size)
+    device, cuda = rt.device, rt.device.type == "cuda"
+
+    # ----------------------------------------------------------------------------------------------
+    # 2. run folder and log
+    run_dir = make_run_dir(cfg, rt)
+    log = RunLog(run_dir, cfg.num_iterations, derived.tokens_per_step, enabled=rt.is_master)
+
+    # ----------------------------------------------------------------------------------------------
+    # 3. data: every rank reads its share of the same global token stream
+    train_files, val_files = cfg.train_files, cfg.val_files
+    if "sample" in (train_files, val_files):  # tokenized on first use; safe when all ranks race to do it
+        sample_train, sample_val = ensure_sample_shards()
+        train_files = sample_train if train_files == "sample" else train_files
+        val_files = sample_val if val_files == "sample" else val_files
+
+    def new_train_loader():
+        return TrainLoader(train_files, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                           device_batch_size=cfg.device_batch_size, rank=rt.rank, world_size=rt.world_size,
+                           device=device, align_to_bos=cfg.align_to_bos, cycle=cfg.cycle_data)
+
+    train_loader = new_train_loader()
+    val_loader = ValLoader(val_files, val_tokens=cfg.val_tokens, seq_len=cfg.seq_len,
+                           device_batch_size=cfg.device_batch_size, rank=rt.rank, world_size=rt.world_size,
+                           device=device)
+
+    # ----------------------------------------------------------------------------------------------
+    # 4. model and optimizer
+    torch.manual_seed(cfg.seed)
+    mcfg = model_config(cfg)
+    model = GPT(mcfg).to(device)
+    model.init_weights()
+    # FlexAttention has no CPU backward: on CPU the same mask runs through SDPA (tests prove them equal)
+    model.attention_backend = "flex" if cuda else "sdpa"
+    if not cuda:
+        model.compute_dtype = torch.float32  # CPUs without bf16 units emulate it slowly
+    if cfg.compile:
+        model.compile_regions()
+    initial_weights = copy.deepcopy(model.state_dict())
+
+    def new_optimizer():
+        return MuonAdam(model.param_groups(), lr={"hidden": cfg.lr_hidden, "embed": cfg.lr_embed,
+                                                  "value_embed": cfg.lr_embed, "head": cfg.lr_head,
+                                                  "scalar": cfg.lr_scalar},
+                        rank=rt.rank, world_size=rt.world_size, compile=cfg.compile and cuda)
+
+    optimizer = new_optimizer()
+    log.header(cfg, mcfg, device)
+    log.print(f"run folder {run_dir} | {rt.world_size} process(es) on {device} | {model.num_params():,} parameters | "
+              f"{derived.tokens_per_step:,} tokens/step = {cfg.batch_size} x {cfg.seq_len} | "
+              f"grad accumulation {derived.grad_accum} | validation {val_loader.num_steps} steps")
+    if cfg.checkpoint_every and rt.is_master:
+        # fp32 weights + Adam's two moments + Muon's momentum: at most 4 copies of the parameters, KEEP files
+        check_disk_space(run_dir, 4 * 4 * model.num_params() * (checkpoint.KEEP + 1), "checkpointing")
+
+    windows: dict[int, torch.Tensor] = {}  # one device tensor per window size: schedule changes never recompile
+
+    def window_at(step: int) -> torch.Tensor:
+        w = attention_window(step, cfg.num_iterations, cfg.window_min_tokens, cfg.window_max_tokens, BLOCK_SIZE)
+        if w not in windows:
+            windows[w] = torch.tensor(w, dtype=torch.int64, device=device)
+        return windows[w]
+
+    def train_step(step: int) -> torch.Tensor:
+        """One optimizer step: grad_accum micro-batches, then the update. Returns the summed loss (no sync)."""
+        window = window_at(step)
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(derived.grad_accum):
+            inputs, targets = train_loader.next_batch()
+            loss = model(inputs, targets, window)
+            (loss / derived.grad_accum).backward()
+            loss_sum += loss.detach()
+        optimizer.step(lr_multiplier(step, cfg.num_iterations, cfg.cooldown_frac, cfg.final_lr_frac),
+                       muon_momentum(step))
+        optimizer.zero_grad(set_to_none=True)
+        return loss_sum
+
+    @torch.no_grad()
+    def validate(step: int) -> float:
+        total = torch.zeros((), device=device, dtype=torch.float64)
+        for inputs, targets in val_loader:
+            total += model(inputs, targets, window_at(step), reduction="sum")
+        return dist.all_ranks_sum(total.item(), rt) / cfg.val_tokens
+
+    # ----------------------------------------------------------------------------------------------
+    # 5. warm-up: compile and run a few untimed steps, then restore the initial state so that the timed
+    # run starts from exactly the state it would have had without them (the records' rule)
+    if cfg.warmup_steps:
+        t0 = time.perf_counter()
+        for step in range(cfg.warmup_steps):
+            train_step(step)
+        with torch.no_grad():
+            inputs, targets = next(iter(val_loader))
+            model(inputs, targets, window_at(0), reduction="sum")  # compiles the validation graph too
+        if cuda:
+            torch.cuda.synchronize()
+        model.load_state_dict(initial_weights)
+        optimizer, train_loader = new_optimizer(), new_train_loader()
+        log.print(f"warm-up: {cfg.warmup_steps} steps + 1 validation batch in {time.perf_counter() - t0:.1f}s "
+                  f"(compile included), initial state restored")
+    del initial_weights
+
+    # ----------------------------------------------------------------------------------------------
+    # 6. resume: continue exactly where a checkpoint left off
+    start_step, train_time_ms = 0, 0.0
+    if cfg.resume:
+        state = checkpoint.load_checkpoint(cfg.resume, map_location=device)
+        differs = checkpoint.config_diff(state["config"], dataclasses.asdict(cfg), RESUME_MAY_CHANGE)
+        if differs:
+            raise UserError(f"--resume {cfg.resume}: the checkpoint was trained with a different config, which "
+                            f"would change the math: {'; '.join(differs)}. Pass the same values to resume")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        train_loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"])
+        start_step, train_time_ms = state["step"], state["train_time_ms"]
+        log.print(f"resumed from {cfg.resume} at step {start_step}")
+        del state
+
+    def save(step: int) -> Path | None:
+        if not rt.is_master:
+            return None
+        path = checkpoint.checkpoint_path(run_dir, step)
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "loader": train_loader.state_dict(), "rng": rng_state(), "step": step,
+                 "train_time_ms": train_time_ms, "config": dataclasses.asdict(cfg),
+                 "model_config": dataclasses.asdict(mcfg)}
+        try:
+            checkpoint.save_checkpoint(path, state)
+        except OSError as e:
+            raise UserError(f"writing checkpoint {path} failed ({e.strerror}); earlier checkpoints in {run_dir} "
+                            f"are intact: free space and resume from the newest with --resume {run_dir}") from None
+        log.print(f"checkpoint: {path}")
+        return path
+
+    # ----------------------------------------------------------------------------------------------
+    # 7. the training loop: time only training (validation and checkpoints pause the clock)
+    stop = StopRequest()
+    last_checkpoint = cfg.resume or None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for step in range(start_step, cfg.num_iterations + 1):
+        last = step == cfg.num_iterations
+        if last or (cfg.val_loss_every and step % cfg.val_loss_every == 0) or step == start_step == 0:
+            if cuda:
+                torch.cuda.synchronize()
+            train_time_ms += 1e3 * (time.perf_counter() - t0)
+            val_loss = validate(step)
+            log.step(step, cfg.num_iterations, train_time_ms, val_loss=val_loss)
+            t0 = time.perf_counter()
+        if last:
+            break
+
+        try:
+            loss_sum = train_step(step)
+        except torch.OutOfMemoryError:
+            raise UserError(f"CUDA out of memory at --device_batch_size={cfg.device_batch_size} "
+                            f"--seq_len={cfg.seq_len}: {oom_advice(cfg)}") from None
+        done = step + 1
+
+        checkpoint_due = cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.num_iterations)
+        if done % cfg.log_every == 0 or done == cfg.num_iterations or checkpoint_due:
+            # One collective carries the loss and any stop request, so every rank decides alike. The loss is
+            # also checked before every checkpoint, so a checkpoint never holds a diverged model.
+            flags = torch.stack([loss_sum / derived.grad_accum, torch.tensor(float(stop.signal != 0), device=device)])
+            if rt.world_size > 1:
+                torch.distributed.all_reduce(flags)
+            train_loss, stop_votes = (flags / torch.tensor([rt.world_size, 1.0], device=device)).tolist()
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = train_time_ms + 1e3 * (time.perf_counter() - t0)
+            if not math.isfinite(train_loss):
+                where = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint"
+                log.print(f"error: train loss is {train_loss} at step {done}; stopping ({where}). Lower the "
+                          f"learning rates (--lr_hidden, --lr_embed, ...) and resume or restart")
+                log.close()
+                return 3
+            log.step(done, cfg.num_iterations, elapsed, train_loss=train_loss)
+            if stop_votes:
+                train_time_ms = elapsed
+                path = save(done) if cfg.checkpoint_every else None
+                log.print(f"stopped by a signal after step {done}" +
+                          (f"; resume with --resume {path}" if path else " (no checkpoint: --checkpoint_every 0)"))
+                log.close()
+                return 0
+
+        if checkpoint_due:
+            if cuda:
+                torch.cuda.synchronize()
+            train_time_ms += 1e3 * (time.perf_counter() - t0)
+            last_checkpoint = save(done) or last_checkpoint
+            t0 = time.perf_counter()
+
+    # ----------------------------------------------------------------------------------------------
+    # 8. the end: optional HellaSwag, memory
+    if cfg.hellaswag:
+        from evals.hellaswag import evaluate_hellaswag
+        accuracy = evaluate_hellaswag(model, rt, path=cfg.hellaswag_file or None)
+        log.print(f"hellaswag accuracy: {accuracy:.4f}")
+    if cuda:
+        log.print(f"peak memory allocated: {torch.cuda.max_memory_allocated(device) // 2**20} MiB "
+                  f"reserved: {torch.cuda.max_memory_reserved(device) // 2**20} MiB")
+    else:
+        log.print(f"peak memory (process RSS): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB")
+    log.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(exit_on_user_error(main))
