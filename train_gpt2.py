@@ -71,6 +71,7 @@ class TrainConfig:
     seed: int = 0  # seeds the initial weights
     compile: bool = True  # torch.compile the transformer blocks and the loss (1/0)
     warmup_steps: int = 10  # untimed steps that compile and warm up, then the initial state is restored
+    profile_step: int = 0  # if > 0, trace this step with torch.profiler: kernel table + trace in the run folder
     device: str = "auto"  # auto, cuda or cpu
     hellaswag: bool = False  # run the HellaSwag evaluation at the end of training
     hellaswag_file: str = ""  # local hellaswag_val.jsonl for machines without network
@@ -180,6 +181,22 @@ def oom_advice(cfg: TrainConfig) -> str:
     half = max(BLOCK_SIZE, cfg.seq_len // 2 // BLOCK_SIZE * BLOCK_SIZE)
     return (f"try --seq_len={half} --batch_size={cfg.batch_size * 2} (the same tokens per step in shorter "
             f"sequences)")
+
+
+def profiled(fn, step: int, out_dir: Path | None):
+    """Run fn(step) under torch.profiler; rank 0 writes the kernel table and a Chrome trace."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        result = fn(step)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    if out_dir is not None:
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        (out_dir / f"profile_step{step + 1}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=60))
+        prof.export_chrome_trace(str(out_dir / f"profile_step{step + 1}.json"))
+    return result
 
 
 class StopRequest:
@@ -362,7 +379,10 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
             break
 
         try:
-            loss_sum = train_step(step)
+            if step + 1 == cfg.profile_step:
+                loss_sum = profiled(train_step, step, run_dir if rt.is_master else None)
+            else:
+                loss_sum = train_step(step)
         except torch.OutOfMemoryError:
             raise UserError(f"CUDA out of memory at --device_batch_size={cfg.device_batch_size} "
                             f"--seq_len={cfg.seq_len}: {oom_advice(cfg)}") from None

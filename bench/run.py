@@ -15,6 +15,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -92,6 +93,8 @@ def main():
         console = Path(args.out).with_suffix(".console.txt")
         wall, warm = launch(args.nproc, data + mode_args + args.train_args, log_dir, console)
         head, metrics, lines = read_run(log_dir)
+        for table in log_dir.glob("*/profile_step*.txt"):  # a --profile_step run's kernel table
+            shutil.copy(table, Path(args.out).with_suffix(f".{table.stem}.txt"))
 
     cfg, mcfg = head["config"], head["model_config"]
     tokens_per_step = cfg["batch_size"] * cfg["seq_len"]

@@ -6,6 +6,7 @@ so existing log parsers work. `metrics.jsonl` holds the same numbers for plots a
 """
 import dataclasses
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -24,10 +25,12 @@ def versions(device: torch.device) -> dict:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                            text=True, timeout=10).stdout.strip() or None
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
     except OSError:  # no git on the machine: the logged source below still says what ran
-        info["git_commit"] = None
+        commit = ""
+    # a copy of the code outside its git history (a container, a copied tree) may say where it came from
+    info["git_commit"] = commit if len(commit) == 40 else os.environ.get("SPEEDRUN_GIT_COMMIT")
     return info
 
 
