@@ -79,8 +79,10 @@ def main():
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--steps", type=int, default=40, help="throughput: timed steps (>= 20 after SKIP)")
-    ap.add_argument("train_args", nargs="*", help="extra train_gpt2.py flags (after --)")
-    args = ap.parse_args()
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)  # what follows `--` goes to train_gpt2.py as is
+    args = ap.parse_args(argv[:split])
+    args.train_args = argv[split + 1:]
 
     data = [f"--train_files={args.data}/fineweb_train_*.bin", f"--val_files={args.data}/fineweb_val_*.bin"]
     if args.mode == "throughput":
