@@ -49,8 +49,7 @@ def attention_window(step: int, num_iterations: int, min_tokens: int, max_tokens
     the records do, so the window never lags the linear ramp."""
     if num_iterations < 1:
         raise ValueError(f"--num_iterations={num_iterations} must be at least 1")
-    if block_size < 1:
-        raise ValueError(f"--window_block_size={block_size} must be at least 1")
+    assert block_size >= 1, f"attention block size {block_size} must be at least 1"
     for flag, value in (("--window_min_tokens", min_tokens), ("--window_max_tokens", max_tokens)):
         if value < block_size or value % block_size:
             raise ValueError(f"{flag}={value} must be a positive multiple of the attention block size "

@@ -61,7 +61,6 @@ def test_attention_window_grows_in_whole_blocks_from_min_to_max():
     (lambda: attention_window(0, 10, 100, 256, 128), "--window_min_tokens"),
     (lambda: attention_window(0, 10, 128, 300, 128), "--window_max_tokens"),
     (lambda: attention_window(0, 10, 512, 256, 128), "--window_min_tokens"),
-    (lambda: attention_window(0, 10, 128, 256, 0), "--window_block_size"),
     (lambda: attention_window(0, 0, 128, 256, 128), "--num_iterations"),
 ])
 def test_bad_arguments_raise_value_errors_naming_the_flag(call, flag):
