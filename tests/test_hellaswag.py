@@ -1,0 +1,214 @@
+"""HellaSwag scoring: mean ending losses against hand computations, accuracy of models with known answers,
+two ranks against one, and the data checks (never the network)."""
+import dataclasses
+import io
+import json
+import math
+import urllib.error
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from data.shard import BOS_ID
+from data.tokenizer import get_encoding
+from evals import hellaswag
+from model.gpt import GPT, GPTConfig
+from runtime.dist import Runtime
+
+TINY_FILE = Path(__file__).parent / "data" / "hellaswag_tiny.jsonl"
+# real GPT-2 token ids need the full (padded) vocabulary; the rest is as small as the model allows
+TINY = GPTConfig(num_layers=2, model_dim=8, num_heads=2, head_dim=4, num_value_embeds=1)
+CPU = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+BOOST = 10.0  # raw logit of a preferred token; the softcap makes it 30 tanh(1/3) = 9.65
+
+
+def bag_model(preferred: set[int]) -> GPT:
+    """A GPT whose next-token logits ignore the input: BOOST for `preferred` tokens, 0 for the rest.
+
+    Every token embeds to the same vector, and the zero-initialised output projections make each block the
+    identity, so the head always sees norm(ones); a head row of BOOST / D then gives the logit BOOST.
+    """
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    model.init_weights()
+    model.compute_dtype = torch.float32
+    model.attention_backend = "sdpa"
+    with torch.no_grad():
+        model.embed.weight.fill_(1.0)
+        model.head.weight.zero_()
+        model.head.weight[sorted(preferred)] = BOOST / TINY.model_dim
+    return model.eval()
+
+
+def random_model() -> GPT:
+    """A GPT whose logits depend on every earlier token: random projections and head instead of zeros."""
+    torch.manual_seed(1)
+    model = GPT(TINY)
+    model.init_weights()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.proj_w.normal_(std=0.3)
+            block.mlp.proj_w.normal_(std=0.3)
+        model.head.weight.normal_()
+    model.compute_dtype = torch.float32
+    model.attention_backend = "sdpa"
+    return model.eval()
+
+
+def tiny_examples():
+    return hellaswag.load_examples(TINY_FILE)
+
+
+def ending_tokens(example, index):
+    return set(get_encoding().encode_ordinary(" " + example["endings"][index]))
+
+
+def preferring(chosen: list[int]) -> tuple[GPT, list[bool]]:
+    """The bag model preferring the tokens of ending chosen[i] of example i, and whether each example's label
+    is chosen. The tiny file is written so that each ending has a token outside the preferred set unless it
+    is the chosen one, so the chosen ending alone has the lowest mean loss (checked here)."""
+    examples = tiny_examples()
+    preferred = set().union(*(ending_tokens(ex, c) for ex, c in zip(examples, chosen)))
+    for ex, c in zip(examples, chosen):
+        assert all(not ending_tokens(ex, i) <= preferred for i in range(4) if i != c), ex["ind"]
+    return bag_model(preferred), [ex["label"] == c for ex, c in zip(examples, chosen)]
+
+
+def test_tiny_file_has_the_real_format():
+    lines = [json.loads(line) for line in TINY_FILE.read_text().splitlines()]
+    keys = {"ind", "activity_label", "ctx_a", "ctx_b", "ctx", "endings", "label", "split", "split_type", "source_id"}
+    assert all(set(ex) == keys for ex in lines)
+    assert hellaswag.load_examples(TINY_FILE) == lines
+    assert [ex["label"] for ex in lines] == [0, 2, 1, 3, 1]
+
+
+def test_ending_losses_match_the_closed_form_of_the_bag_model():
+    enc = get_encoding()
+    preferred = set(enc.encode_ordinary(" the cat sat"))
+    model = bag_model(preferred)
+    rows = [([BOS_ID] + enc.encode_ordinary("Once upon a time"), enc.encode_ordinary(text))
+            for text in (" the cat sat", " the dog sat", " a dog ran away")]
+    # softmax over V logits: len(preferred) of them z, the others 0
+    z = 30.0 * math.tanh(BOOST / 30.0)
+    log_norm = math.log(len(preferred) * math.exp(z) + TINY.vocab_size - len(preferred))
+    expected = [sum(log_norm - (z if t in preferred else 0.0) for t in ending) / len(ending) for _, ending in rows]
+    losses = hellaswag.ending_losses(model, rows, num_rows=5, device="cpu")
+    # 1e-4: the model's softmax sums 50,304 terms in fp32; endings differ by ~9.6 per unpreferred token
+    assert losses.tolist() == pytest.approx(expected, rel=1e-4)
+    assert expected[0] < expected[1] < expected[2]
+
+
+def test_ending_losses_match_unpadded_logits():
+    """Padding to the block, unused rows and the window must not change the losses of the real tokens."""
+    enc = get_encoding()
+    model = random_model()
+    long_context = [BOS_ID] + enc.encode_ordinary("The quick brown fox jumps over the lazy dog. " * 14)
+    assert 128 < len(long_context) < 256  # the batch pads to two blocks
+    rows = [([BOS_ID] + enc.encode_ordinary("A man is sitting on a roof. he"), enc.encode_ordinary(" starts pulling")),
+            (long_context, enc.encode_ordinary(" and then runs home to sleep."))]
+    losses = hellaswag.ending_losses(model, rows, num_rows=4, device="cpu")
+    for (context, ending), loss in zip(rows, losses):
+        tokens = torch.tensor([context + ending])
+        n = tokens.size(1)
+        with torch.no_grad():
+            logprobs = F.log_softmax(model.logits(tokens, torch.tensor(2 * n)), dim=-1)[0]
+        picked = logprobs[len(context) - 1:n - 1].gather(1, torch.tensor(ending)[:, None])
+        assert loss.item() == pytest.approx(-picked.mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("chosen, accuracy", [([0, 2, 1, 3, 1], 1.0), ([1, 3, 2, 0, 2], 0.0),
+                                              ([0, 1, 1, 0, 1], 0.6)])
+def test_accuracy_of_models_with_known_answers(chosen, accuracy):
+    model, right = preferring(chosen)
+    assert sum(right) / len(right) == accuracy
+    assert hellaswag.evaluate_hellaswag(model, CPU, path=str(TINY_FILE)) == accuracy
+    # --limit keeps the first examples
+    assert hellaswag.evaluate_hellaswag(model, CPU, path=str(TINY_FILE), limit=2) == sum(right[:2]) / 2
+
+
+def _rank_main(rank, store, out_dir):
+    torch.set_num_threads(1)  # two ranks share CI's two cores
+    torch_dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        model, _ = preferring([0, 2, 0, 0, 1])
+        rt = dataclasses.replace(CPU, rank=rank, world_size=2)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(hellaswag.count_correct(model, rt, tiny_examples())))
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def test_two_ranks_split_the_examples_and_sum_the_counts(tmp_path):
+    mp.start_processes(_rank_main, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True,
+                       start_method="fork")
+    model, right = preferring([0, 2, 0, 0, 1])
+    assert hellaswag.count_correct(model, CPU, tiny_examples()) == (3, 5)
+    # rank 0 scores examples 0, 2, 4 (2 right), rank 1 examples 1, 3 (1 right): both report the sum
+    assert right == [True, True, False, False, True]
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [3, 5]
+
+
+def test_cli_scores_a_checkpoint(tmp_path, capsys):
+    model, _ = preferring([0, 2, 1, 3, 1])
+    state = {"model": model.state_dict(), "optimizer": {}, "loader": {}, "step": 0, "config": {},
+             "model_config": dataclasses.asdict(TINY), "rng": {}, "train_time_ms": 0.0}
+    torch.save(state, tmp_path / "ckpt_000000.pt")
+    assert hellaswag.main(["--checkpoint", str(tmp_path), "--hellaswag_file", str(TINY_FILE), "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.strip() == "hellaswag accuracy: 1.0000 (5/5)"
+
+
+def test_bad_line_names_the_file_and_the_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    good = TINY_FILE.read_text().splitlines()[0]
+    bad.write_text(good + "\n" + json.dumps({"ctx": "x", "endings": ["a", "b"], "label": 0}) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2 is not a HellaSwag example"):
+        hellaswag.load_examples(bad)
+    with pytest.raises(ValueError, match="no such file"):
+        hellaswag.load_examples(tmp_path / "absent.jsonl")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache folder; any real download attempt fails the test."""
+    path = tmp_path / "hellaswag" / "hellaswag_val.jsonl"
+    monkeypatch.setattr(hellaswag, "CACHE", path)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("tests must not touch the network")
+
+    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", no_network)
+    return path
+
+
+def test_offline_names_the_file_the_url_and_the_flag(cache, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError) as e:
+        hellaswag.evaluate_hellaswag(bag_model({1}), CPU)
+    for part in (str(cache), hellaswag.URL, "--hellaswag_file", "HF_HUB_OFFLINE=1"):
+        assert part in str(e.value)
+
+
+def test_failed_download_names_the_fix(cache, monkeypatch):
+    def unreachable(url, timeout):
+        raise urllib.error.URLError("Name or service not known")
+
+    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", unreachable)
+    with pytest.raises(ValueError, match="downloading it failed.*--hellaswag_file"):
+        hellaswag.select_examples(None, None)
+    assert list(cache.parent.iterdir()) == []  # nothing half-written is left
+
+
+def test_download_is_checked_before_it_is_kept(cache, monkeypatch):
+    payload = TINY_FILE.read_bytes()
+    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(payload))
+    with pytest.raises(ValueError, match="has 5 examples, expected 10042"):
+        hellaswag.select_examples(None, None)
+    assert list(cache.parent.iterdir()) == []
+    monkeypatch.setattr(hellaswag, "NUM_VAL_EXAMPLES", 5)  # a file of the expected size is kept and used
+    assert hellaswag.select_examples(None, 3) == tiny_examples()[:3]
+    assert cache.read_bytes() == payload

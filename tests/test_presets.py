@@ -1,0 +1,53 @@
+"""The GPT-2-shaped presets: standard shapes, parameter counts (built on the meta device, no memory) and batch
+settings that fit one GPU and eight."""
+import pytest
+import torch
+
+from model.gpt import GPT
+from train_gpt2 import PRESETS, TrainConfig, derive, model_config
+
+# (layers, width, heads) of GPT-2 small, medium, large and XL (Radford et al. 2019, table 2); d12 keeps the
+# speedrun's 6 heads of 128 instead of 12 of 64 (the same attention width)
+GPT2_SHAPES = {"d12": (12, 768, 6), "d24": (24, 1024, 16), "d36": (36, 1280, 20), "d48": (48, 1600, 25)}
+
+# Computed once by hand with V = 50,304, three value embeddings of width A = D, blocks of 12 D^2 weights + 5
+# scalars, and L // 2 skip weights:
+#   d12: 5 x 50,304 x 768  + 12 x (12 x 768^2  + 5) +  6 =   278,102,082
+#   d24: 5 x 50,304 x 1024 + 24 x (12 x 1024^2 + 5) + 12 =   559,546,500
+#   d36: 5 x 50,304 x 1280 + 36 x (12 x 1280^2 + 5) + 18 = 1,029,734,598
+#   d48: 5 x 50,304 x 1600 + 48 x (12 x 1600^2 + 5) + 24 = 1,876,992,264
+# The blocks alone (85M, 302M, 708M, 1,475M) are GPT-2's non-embedding counts; the names 124M ... 1.5B count
+# GPT-2's tied embedding once, while this model adds an untied head and three value embeddings.
+EXPECTED_PARAMS = {"d12": 278_102_082, "d24": 559_546_500, "d36": 1_029_734_598, "d48": 1_876_992_264}
+
+
+def formula(cfg: TrainConfig) -> int:
+    """Parameter count from the shape, term by term."""
+    V, D, L = cfg.vocab_size, cfg.model_dim, cfg.num_layers
+    A = cfg.num_heads * cfg.head_dim  # attention width
+    embeddings = V * D + cfg.num_value_embeds * V * A + V * D  # token embedding, value embeddings, untied head
+    matrices = 3 * A * D + D * A + 2 * 4 * D * D  # q, k, v; attention output; MLP in and out (4x wide)
+    scalars = 3 + 2  # value mixing weights (own, first layer, value embedding); residual / x0 mix
+    return embeddings + L * (matrices + scalars) + L // 2  # + U-net skip weights
+
+
+@pytest.mark.parametrize("name", list(GPT2_SHAPES))
+def test_preset_shape_and_parameter_count(name):
+    cfg = TrainConfig(**PRESETS[name])
+    layers, width, heads = GPT2_SHAPES[name]
+    assert (cfg.num_layers, cfg.model_dim, cfg.num_heads) == (layers, width, heads)
+    assert cfg.num_heads * cfg.head_dim == cfg.model_dim
+    with torch.device("meta"):
+        model = GPT(model_config(cfg))
+    assert model.num_params() == formula(cfg) == EXPECTED_PARAMS[name]
+    block_matrices = sum(p.numel() for block in model.blocks for p in block.parameters() if p.ndim >= 2)
+    assert block_matrices == 12 * cfg.num_layers * cfg.model_dim ** 2
+
+
+@pytest.mark.parametrize("name", list(GPT2_SHAPES))
+@pytest.mark.parametrize("world_size", [1, 8])
+def test_preset_batch_fits_one_and_eight_gpus(name, world_size):
+    cfg = TrainConfig(**PRESETS[name])
+    derived = derive(cfg, world_size)
+    assert derived.grad_accum * cfg.device_batch_size * world_size == cfg.batch_size
+    assert derived.tokens_per_step == cfg.batch_size * cfg.seq_len

@@ -1,0 +1,110 @@
+"""sample.py: greedy decoding against a step-by-step reference, seeds, top-k, and the command line."""
+import dataclasses
+
+import pytest
+import torch
+
+import sample
+from data.shard import BOS_ID
+from data.tokenizer import get_encoding
+from model.gpt import GPT
+from train_gpt2 import PRESETS, TrainConfig, model_config
+
+# the smoke model with a 128-token training sequence, so a long prompt gets cropped
+CONFIG = TrainConfig(**(PRESETS["smoke"] | dict(seq_len=128, window_max_tokens=128)))
+PROMPT = "The quick brown fox"
+
+
+def random_model() -> GPT:
+    """The smoke model with random instead of zero output projections and head, so its choices vary."""
+    torch.manual_seed(0)
+    model = GPT(model_config(CONFIG))
+    model.init_weights()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.proj_w.normal_(std=0.1)
+            block.mlp.proj_w.normal_(std=0.1)
+        model.head.weight.normal_()
+    model.attention_backend = "sdpa"
+    model.compute_dtype = torch.float32
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A checkpoint file in train_gpt2.py's format."""
+    path = tmp_path_factory.mktemp("run") / "ckpt_000002.pt"
+    state = {"model": random_model().state_dict(), "optimizer": {}, "loader": {}, "step": 2,
+             "config": dataclasses.asdict(CONFIG), "model_config": dataclasses.asdict(model_config(CONFIG)),
+             "rng": {"torch": torch.get_rng_state()}, "train_time_ms": 0.0}
+    torch.save(state, path)
+    return path
+
+
+def run(model, prompt, seed=0, **kwargs):
+    settings = dict(max_new_tokens=12, temperature=1.0, top_k=0, num_samples=1, window=CONFIG.window_max_tokens,
+                    max_context=CONFIG.seq_len) | kwargs
+    return sample.generate(model, prompt, generator=torch.Generator().manual_seed(seed), **settings)
+
+
+def greedy_reference(model, prompt, steps, max_context):
+    """Argmax of the unpadded context's last logits, one token at a time."""
+    tokens = list(prompt)
+    for _ in range(steps):
+        context = torch.tensor([tokens[-max_context:]])
+        with torch.no_grad():
+            logits = model.logits(context, torch.tensor(CONFIG.window_max_tokens))[0, -1, :sample.TEXT_VOCAB]
+        tokens.append(int(logits.argmax()))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("words", [4, 150])  # 150 words: past the 128-token context, so the context is cropped
+def test_greedy_matches_the_unpadded_reference_and_repeats(model, words):
+    prompt = [BOS_ID] + get_encoding().encode_ordinary(" ".join(["fox"] * words))
+    greedy = run(model, prompt, temperature=0, num_samples=2)
+    assert greedy[0] == greedy[1] == greedy_reference(model, prompt, 12, CONFIG.seq_len)
+    assert run(model, prompt, seed=1, temperature=0) == greedy[:1]  # the seed plays no part
+    assert len(set(greedy[0])) > 1  # the random model does not just repeat one token
+
+
+def test_seeds_reproduce_and_differ(model):
+    prompt = [BOS_ID] + get_encoding().encode_ordinary(PROMPT)
+    first = run(model, prompt, seed=3, num_samples=2)
+    assert run(model, prompt, seed=3, num_samples=2) == first
+    assert run(model, prompt, seed=4, num_samples=2) != first
+    assert first[0] != first[1]  # samples of one call are independent draws
+
+
+def test_top_k_one_is_greedy(model):
+    prompt = [BOS_ID] + get_encoding().encode_ordinary(PROMPT)
+    assert run(model, prompt, seed=5, temperature=0.8, top_k=1) == run(model, prompt, temperature=0)
+
+
+def test_top_k_draws_only_among_the_k_likeliest():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.9, -1.0]]).expand(400, 5)
+    drawn = sample.pick(logits, 1.0, 2, torch.Generator().manual_seed(0))
+    assert set(drawn.tolist()) == {1, 3}
+    # softmax over the two kept logits: p(1) = 1 / (1 + e^-0.1) = 0.525
+    assert (drawn == 1).float().mean().item() == pytest.approx(0.525, abs=0.075)
+
+
+def test_cli_prints_the_prompt_and_its_continuation(checkpoint, capsys):
+    args = ["--checkpoint", str(checkpoint.parent), "--prompt", PROMPT, "--max_new_tokens", "6", "--device", "cpu"]
+    assert sample.main(args + ["--temperature", "0"]) == 0
+    text = capsys.readouterr().out
+    prompt = [BOS_ID] + get_encoding().encode_ordinary(PROMPT)
+    continuation = get_encoding().decode(greedy_reference(random_model(), prompt, 6, CONFIG.seq_len))
+    assert text == PROMPT + continuation + "\n"
+    assert sample.main(args + ["--num_samples", "2", "--seed", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "--- sample 1/2" and lines[1].startswith(PROMPT)
+
+
+def test_bad_flag_values_name_the_flag(checkpoint):
+    with pytest.raises(ValueError, match="--temperature=-1.0 must be at least 0"):
+        sample.main(["--checkpoint", str(checkpoint), "--temperature", "-1"])
