@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node=8 train_gpt2.py            # the 124M speedrun (record config)
     python train_gpt2.py --preset smoke                                # tiny CPU run on the shipped sample
 
-1. config  2. processes and run folder  3. data  4. model and optimizer  5. compile warm-up, then restore
+1. config  2. data  3. run folder  4. model and optimizer  5. compile warm-up, then restore
 6. resume  7. the training loop  8. the end of the run
 """
 import copy
@@ -22,6 +22,7 @@ import torch
 
 from data.loader import TrainLoader, ValLoader
 from data.prepare import ensure_sample_shards
+from data.shard import VOCAB_SIZE
 from model.gpt import GPT, GPTConfig
 from optim.optimizer import MuonAdam
 from optim.schedule import attention_window, lr_multiplier, muon_momentum
@@ -60,6 +61,9 @@ class TrainConfig:
     lr_embed: float = 0.3  # Adam learning rate for token and value embeddings (record #28)
     lr_head: float = 0.008  # Adam learning rate for the LM head (record #28)
     lr_scalar: float = 0.04  # Adam learning rate for the mixing scalars (record #28)
+    momentum_start: float = 0.85  # Muon momentum at step 0, warmed up linearly (the records' 0.85 -> 0.95)
+    momentum_end: float = 0.95  # Muon momentum after the warm-up (Muon's default)
+    momentum_warmup_steps: int = 300  # steps of the Muon momentum warm-up (the records' 300)
     window_min_tokens: int = 128  # attention window at step 0 (one block), grown linearly during training
     window_max_tokens: int = 1792  # attention window at the last step (record #28's long window)
     # run
@@ -100,6 +104,8 @@ PRESETS: dict[str, dict] = {
 RESUME_MAY_CHANGE = {"resume", "log_dir", "checkpoint_every", "val_loss_every", "log_every", "compile",
                      "warmup_steps", "device", "hellaswag", "hellaswag_file", "val_files", "val_tokens", "preset"}
 BLOCK_SIZE = 128  # FlexAttention's tile: packed sequences are cut into blocks of this many tokens
+FINEWEB_SHARD_TOKENS = 100_000_000  # tokens per FineWeb train shard (data/cached_fineweb10B.py)
+DIVERGED_EXIT = 3  # exit status when the loss or the weights become inf/nan (2 is a user error)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,17 +125,33 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
         fit = max(BLOCK_SIZE, cfg.seq_len // BLOCK_SIZE * BLOCK_SIZE)
         raise ValueError(f"--seq_len={cfg.seq_len} must be a multiple of the attention block size {BLOCK_SIZE}; "
                          f"try --seq_len={fit}")
-    if cfg.num_iterations <= 0:
-        raise ValueError(f"--num_iterations={cfg.num_iterations} must be positive")
-    if not 0 < cfg.window_min_tokens <= cfg.window_max_tokens:
-        raise ValueError(f"--window_min_tokens={cfg.window_min_tokens} must be positive and at most "
-                         f"--window_max_tokens={cfg.window_max_tokens}")
+    # the schedules check their own flags (ValueErrors naming them); one call each fails before any work
+    lr_multiplier(0, cfg.num_iterations, cfg.cooldown_frac, cfg.final_lr_frac)
+    muon_momentum(0, cfg.momentum_warmup_steps, cfg.momentum_start, cfg.momentum_end)
+    attention_window(0, cfg.num_iterations, cfg.window_min_tokens, cfg.window_max_tokens, BLOCK_SIZE)
     for name in ("val_loss_every", "checkpoint_every", "warmup_steps"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"--{name}={getattr(cfg, name)} must be 0 or more")
     if cfg.log_every <= 0:
         raise ValueError(f"--log_every={cfg.log_every} must be positive")
+    if cfg.vocab_size < VOCAB_SIZE:
+        raise ValueError(f"--vocab_size={cfg.vocab_size} is smaller than the shards' GPT-2 vocabulary of "
+                         f"{VOCAB_SIZE} ids; keep the default --vocab_size={TrainConfig.vocab_size}")
+    for name in ("lr_hidden", "lr_embed", "lr_head", "lr_scalar"):
+        # the optimizer holds learning rates in float32 tensors: a larger value cannot even be stored
+        if not 0 <= getattr(cfg, name) <= torch.finfo(torch.float32).max:
+            raise ValueError(f"--{name}={getattr(cfg, name)} must be a number from 0 to 3.4e38 (float32); the "
+                             f"record uses --{name}={getattr(TrainConfig, name)}")
     return Derived(grad_accum=cfg.batch_size // per_micro_step, tokens_per_step=cfg.batch_size * cfg.seq_len)
+
+
+def check_resume(cfg: TrainConfig) -> None:
+    """Refuse a missing, damaged or incompatible --resume now, not after minutes of compile warm-up."""
+    saved = checkpoint.load_checkpoint(cfg.resume, mmap=True)["config"]  # mmap: only the config is read
+    differs = checkpoint.config_diff(saved, dataclasses.asdict(cfg), RESUME_MAY_CHANGE)
+    if differs:
+        raise UserError(f"--resume {cfg.resume}: the checkpoint was trained with a different config, which "
+                        f"would change the math: {'; '.join(differs)}. Pass the same values to resume")
 
 
 def model_config(cfg: TrainConfig) -> GPTConfig:
@@ -175,12 +197,22 @@ def set_rng_state(state: dict) -> None:
 
 
 def oom_advice(cfg: TrainConfig) -> str:
+    """Flags that need less memory per GPU and still pass derive()."""
     if cfg.device_batch_size > 1:
-        return (f"try --device_batch_size={cfg.device_batch_size // 2} (gradient accumulation keeps the global "
-                f"batch of {cfg.batch_size} sequences)")
-    half = max(BLOCK_SIZE, cfg.seq_len // 2 // BLOCK_SIZE * BLOCK_SIZE)
-    return (f"try --seq_len={half} --batch_size={cfg.batch_size * 2} (the same tokens per step in shorter "
-            f"sequences)")
+        # a divisor of device_batch_size, so it still divides batch_size / world_size
+        smaller = max(d for d in range(1, cfg.device_batch_size) if cfg.device_batch_size % d == 0)
+        return (f"try --device_batch_size={smaller} (gradient accumulation keeps the global batch of "
+                f"{cfg.batch_size} sequences)")
+    if cfg.seq_len > BLOCK_SIZE:
+        half = max(BLOCK_SIZE, cfg.seq_len // 2 // BLOCK_SIZE * BLOCK_SIZE)
+        return (f"try --seq_len={half} --batch_size={cfg.batch_size * 2} (twice as many sequences, half as long: "
+                f"about the same tokens per step)")
+    return "even one sequence of 128 tokens does not fit: use a smaller model (--num_layers, --model_dim)"
+
+
+def all_finite(tensors) -> bool:
+    """True when no element is inf/nan; one device sync for all the tensors."""
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
 def profiled(fn, step: int, out_dir: Path | None):
@@ -218,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     rt = dist.setup(cfg.device)
     try:
         return train(cfg, rt)
+    except torch.OutOfMemoryError:  # anywhere, not only in the loop: the compile warm-up runs the first steps
+        raise UserError(f"CUDA out of memory at --device_batch_size={cfg.device_batch_size} --seq_len="
+                        f"{cfg.seq_len}: {oom_advice(cfg)}") from None
     finally:
         dist.teardown()
 
@@ -225,14 +260,11 @@ def main(argv: list[str] | None = None) -> int:
 def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
     derived = derive(cfg, rt.world_size)
     device, cuda = rt.device, rt.device.type == "cuda"
+    if cfg.resume:
+        check_resume(cfg)
 
     # ----------------------------------------------------------------------------------------------
-    # 2. run folder and log
-    run_dir = make_run_dir(cfg, rt)
-    log = RunLog(run_dir, cfg.num_iterations, derived.tokens_per_step, enabled=rt.is_master)
-
-    # ----------------------------------------------------------------------------------------------
-    # 3. data: every rank reads its share of the same global token stream
+    # 2. data: every rank reads its share of the same global token stream
     train_files, val_files = cfg.train_files, cfg.val_files
     if "sample" in (train_files, val_files):  # tokenized on first use; safe when all ranks race to do it
         sample_train, sample_val = ensure_sample_shards()
@@ -245,9 +277,21 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
                            device=device, align_to_bos=cfg.align_to_bos, cycle=cfg.cycle_data)
 
     train_loader = new_train_loader()
+    have, need = sum(train_loader.counts), cfg.num_iterations * derived.tokens_per_step + 1
+    if not cfg.cycle_data and have < need:  # need is a lower bound (BOS alignment skips tokens): sure to run out
+        raise UserError(f"the {len(train_loader.paths)} shard(s) matching --train_files={cfg.train_files!r} hold "
+                        f"{have:,} tokens, but --num_iterations={cfg.num_iterations} x {derived.tokens_per_step:,} "
+                        f"tokens/step needs at least {need:,}: add shards (FineWeb: `python data/cached_fineweb10B.py "
+                        f"{math.ceil(need / FINEWEB_SHARD_TOKENS)}`), pass --cycle_data=1, or lower --num_iterations "
+                        f"(at most {(have - 1) // derived.tokens_per_step} fit)")
     val_loader = ValLoader(val_files, val_tokens=cfg.val_tokens, seq_len=cfg.seq_len,
                            device_batch_size=cfg.device_batch_size, rank=rt.rank, world_size=rt.world_size,
                            device=device)
+
+    # ----------------------------------------------------------------------------------------------
+    # 3. run folder and log, made only once the config and the data are known to be good
+    run_dir = make_run_dir(cfg, rt)
+    log = RunLog(run_dir, cfg.num_iterations, derived.tokens_per_step, enabled=rt.is_master)
 
     # ----------------------------------------------------------------------------------------------
     # 4. model and optimizer
@@ -296,7 +340,7 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
             (loss / derived.grad_accum).backward()
             loss_sum += loss.detach()
         optimizer.step(lr_multiplier(step, cfg.num_iterations, cfg.cooldown_frac, cfg.final_lr_frac),
-                       muon_momentum(step))
+                       muon_momentum(step, cfg.momentum_warmup_steps, cfg.momentum_start, cfg.momentum_end))
         optimizer.zero_grad(set_to_none=True)
         return loss_sum
 
@@ -329,17 +373,13 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
     # 6. resume: continue exactly where a checkpoint left off
     start_step, train_time_ms = 0, 0.0
     if cfg.resume:
-        state = checkpoint.load_checkpoint(cfg.resume, map_location=device)
-        differs = checkpoint.config_diff(state["config"], dataclasses.asdict(cfg), RESUME_MAY_CHANGE)
-        if differs:
-            raise UserError(f"--resume {cfg.resume}: the checkpoint was trained with a different config, which "
-                            f"would change the math: {'; '.join(differs)}. Pass the same values to resume")
+        state = checkpoint.load_checkpoint(cfg.resume, map_location=device)  # its config passed check_resume
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         train_loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
         start_step, train_time_ms = state["step"], state["train_time_ms"]
-        log.print(f"resumed from {cfg.resume} at step {start_step}")
+        log.print(f"resumed from {checkpoint.resolve(cfg.resume)} at step {start_step}")
         del state
 
     def save(step: int) -> Path | None:
@@ -378,14 +418,10 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
         if last:
             break
 
-        try:
-            if step + 1 == cfg.profile_step:
-                loss_sum = profiled(train_step, step, run_dir if rt.is_master else None)
-            else:
-                loss_sum = train_step(step)
-        except torch.OutOfMemoryError:
-            raise UserError(f"CUDA out of memory at --device_batch_size={cfg.device_batch_size} "
-                            f"--seq_len={cfg.seq_len}: {oom_advice(cfg)}") from None
+        if step + 1 == cfg.profile_step:
+            loss_sum = profiled(train_step, step, run_dir if rt.is_master else None)
+        else:
+            loss_sum = train_step(step)
         done = step + 1
 
         checkpoint_due = cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.num_iterations)
@@ -399,12 +435,17 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
             if cuda:
                 torch.cuda.synchronize()
             elapsed = train_time_ms + 1e3 * (time.perf_counter() - t0)
-            if not math.isfinite(train_loss):
-                where = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint"
-                log.print(f"error: train loss is {train_loss} at step {done}; stopping ({where}). Lower the "
-                          f"learning rates (--lr_hidden, --lr_embed, ...) and resume or restart")
+            # The loss lags the update by one step: an update that overflowed shows only in the weights.
+            saving = cfg.checkpoint_every and (checkpoint_due or stop_votes)
+            diverged = (f"train loss is {train_loss}" if not math.isfinite(train_loss) else
+                        "the weights hold inf/nan" if saving and not all_finite(model.parameters()) else "")
+            if diverged:
+                where = (f"the last good checkpoint is {last_checkpoint} (--resume it if a hardware fault caused "
+                         f"this)" if last_checkpoint else "no checkpoint was written")
+                log.print(f"error: {diverged} at step {done}; stopping, {where}. Restart with lower learning "
+                          f"rates (--lr_hidden, --lr_embed, --lr_head, --lr_scalar)")
                 log.close()
-                return 3
+                return DIVERGED_EXIT
             log.step(done, cfg.num_iterations, elapsed, train_loss=train_loss)
             if stop_votes:
                 train_time_ms = elapsed

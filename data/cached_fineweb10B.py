@@ -58,10 +58,12 @@ def download(n_train: int, out_dir=DEFAULT_DIR, endpoint: str | None = None) -> 
             hf_hub_download(REPO_ID, path.name, repo_type="dataset", local_dir=out_dir, endpoint=endpoint)
         except OSError as error:  # huggingface_hub's offline, connection and HTTP errors are all OSErrors
             offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
-            names = "\n  ".join(p.name for p in missing[i:])
+            names = [p.name for p in missing[i:]]
+            listed = ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, ..., {names[-1]}"
+            reason = " ".join(str(error).split())  # the hub's messages span lines; the summary stays short
             raise DownloadError(
-                f"could not download from the hub dataset {REPO_ID}{offline}: {error}\n"
-                f"{len(missing) - i} file(s) still missing in {out_dir}:\n  {names}\n"
+                f"could not download from the hub dataset {REPO_ID}{offline}: {reason}\n"
+                f"{len(names)} file(s) still missing in {out_dir}: {listed}\n"
                 f"run `python data/cached_fineweb10B.py {n_train}` again with network access, or copy these files "
                 f"into {out_dir}/") from None
         if not is_complete(path):

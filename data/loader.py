@@ -188,7 +188,8 @@ class ValLoader:
     def __init__(self, pattern: str, *, val_tokens: int, seq_len: int, device_batch_size: int, rank: int,
                  world_size: int, device):
         if val_tokens <= 0:
-            raise ValueError(f"--val_tokens={val_tokens} must be positive")
+            raise ValueError(f"--val_tokens={val_tokens} must be positive: it is how many tokens each validation "
+                             f"scores (the speedrun's --val_tokens=10485760)")
         assert 0 <= rank < world_size, f"rank {rank} outside world of size {world_size}"
         self.val_tokens, self.seq_len, self.device_batch_size = val_tokens, seq_len, device_batch_size
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)

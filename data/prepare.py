@@ -82,8 +82,8 @@ def documents(files, skipped: list[Path]):
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as error:
-                print(f"warning: skipping {path}: not UTF-8 text ({error.reason} at byte {error.start})",
-                      file=sys.stderr)
+                print(f"warning: skipping {path}: not UTF-8 text ({error.reason} at byte {error.start}); convert "
+                      f"it to include it, e.g. `iconv -f latin1 -t utf-8`", file=sys.stderr)
                 skipped.append(path)
                 continue
             if text:

@@ -119,8 +119,9 @@ class GPT(nn.Module):
                                            for _ in range(config.num_value_embeds)])
         self.blocks = nn.ModuleList([Block(D, config.num_heads, config.head_dim, config.mlp_ratio, config.attn_scale)
                                      for _ in range(L)])
-        # U-net skips (modded-nanogpt): block i < L//2 feeds block L-1-i through a learned weight
-        self.skip_weights = nn.Parameter(torch.empty(L // 2))
+        # U-net skips (modded-nanogpt): block i < L//2 feeds block L-1-i through a learned weight; a one-block
+        # model has none (an empty parameter would never get a gradient)
+        self.skip_weights = nn.Parameter(torch.empty(L // 2)) if L >= 2 else None
         self.head = Head(D, V, config.logit_softcap)  # untied from the embedding: its own storage
 
     def init_weights(self) -> None:
@@ -129,7 +130,8 @@ class GPT(nn.Module):
             nn.init.normal_(emb.weight)
         for block in self.blocks:
             block.init_weights()
-        nn.init.ones_(self.skip_weights)
+        if self.skip_weights is not None:
+            nn.init.ones_(self.skip_weights)
         nn.init.zeros_(self.head.weight)  # zero-init head (modded-nanogpt): the first loss is exactly ln(V)
 
     def compile_regions(self, **kwargs) -> None:
@@ -143,7 +145,7 @@ class GPT(nn.Module):
         """Parameters tagged for the optimizer, chosen by module structure: Muon for every matrix inside the
         blocks ("hidden"), Adam for "embed", "value_embed", "head" and "scalar" (mixing weights). Empty groups
         are left out."""
-        hidden, scalar = [], [self.skip_weights]
+        hidden, scalar = [], [] if self.skip_weights is None else [self.skip_weights]
         for block in self.blocks:
             for p in block.parameters():
                 (hidden if p.ndim >= 2 else scalar).append(p)

@@ -66,11 +66,13 @@ def resolve(path: str) -> Path:
     return p
 
 
-def load_checkpoint(path: str, map_location="cpu") -> dict:
+def load_checkpoint(path: str, map_location="cpu", mmap: bool = False) -> dict:
+    """The state saved by save_checkpoint; mmap=True reads tensors lazily (cheap when only the config is needed)."""
     p = resolve(path)
     try:
-        state = torch.load(p, map_location=map_location, weights_only=False)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+        state = torch.load(p, map_location=map_location, weights_only=False, mmap=mmap)
+    # damaged bytes surface as whichever error the zip reader or the unpickler meets first
+    except (RuntimeError, EOFError, KeyError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
         raise UserError(f"--resume {p}: the checkpoint is truncated or corrupt ({type(e).__name__}); "
                         f"resume from an earlier ckpt_<step>.pt in {p.parent}") from None
     missing = {"model", "optimizer", "loader", "step", "config"} - set(state)

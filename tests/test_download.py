@@ -1,74 +1,15 @@
-"""data/cached_fineweb10B.py against a fake hub on 127.0.0.1: download, skip, repair, and the offline message."""
-import hashlib
+"""data/cached_fineweb10B.py against a fake hub on 127.0.0.1 (tests/conftest.py): download, skip, repair, and the
+offline message."""
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import numpy as np
 import pytest
 from huggingface_hub import constants
 
-from data.cached_fineweb10B import REPO_ID, DownloadError, download, main
-from data.shard import write_shard
+from data.cached_fineweb10B import DownloadError, download, main
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-@pytest.fixture(scope="module")
-def shard_bytes(tmp_path_factory):
-    """Small valid shards under the dataset's file names."""
-    folder = tmp_path_factory.mktemp("hub_files")
-    files = {}
-    for i, name in enumerate(["fineweb_val_000000.bin", "fineweb_train_000001.bin", "fineweb_train_000002.bin"]):
-        write_shard(folder / name, np.arange(100 + i, dtype=np.uint16))
-        files[name] = (folder / name).read_bytes()
-    return files
-
-
-@pytest.fixture
-def hub(shard_bytes):
-    """A minimal hub: HEAD/GET {endpoint}/datasets/{repo}/resolve/main/{file} with the headers hf_hub_download
-    needs (X-Repo-Commit, ETag, Content-Length). Yields (endpoint, list of (method, file) requested)."""
-    requests = []
-    prefix = f"/datasets/{REPO_ID}/resolve/main/"
-
-    class Handler(BaseHTTPRequestHandler):
-        def _answer(self, with_body):
-            name = self.path.removeprefix(prefix)
-            requests.append((self.command, name))
-            body = shard_bytes.get(name) if self.path.startswith(prefix) else None
-            if body is None:
-                self.send_response(404)
-                self.send_header("X-Error-Code", "EntryNotFound")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            self.send_response(200)
-            self.send_header("X-Repo-Commit", COMMIT)
-            self.send_header("ETag", f'"{hashlib.sha256(body).hexdigest()}"')
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if with_body:
-                self.wfile.write(body)
-
-        def do_HEAD(self):
-            self._answer(with_body=False)
-
-        def do_GET(self):
-            self._answer(with_body=True)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", requests
-    server.shutdown()
-    server.server_close()
 
 
 def test_download_skip_and_repair(tmp_path, hub, shard_bytes):

@@ -174,6 +174,16 @@ def test_every_parameter_gets_a_gradient():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
+@pytest.mark.parametrize("num_layers", [1, 3])
+def test_every_parameter_gets_a_gradient_at_odd_depths(num_layers):
+    """One block has no U-net skip at all; three blocks leave the middle one unpaired."""
+    config = dataclasses.replace(TINY, num_layers=num_layers, num_value_embeds=num_layers // 2)
+    model = tiny_model(config, random=True)
+    model(*batch(), torch.tensor(64)).backward()
+    assert [p.grad is not None for p in model.parameters()] == [True] * len(list(model.parameters()))
+    assert sum(len(g["params"]) for g in model.param_groups()) == len(list(model.parameters()))
+
+
 def test_user_errors():
     model = tiny_model(backend="flex")
     inputs, targets = batch()

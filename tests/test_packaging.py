@@ -108,7 +108,7 @@ NVIDIA_SMI_TWO_GPUS = (
 NVIDIA_SMI_NO_DRIVER = "#!/bin/sh\necho 'NVIDIA-SMI has failed: no driver' >&2\nexit 9\n"
 
 
-def _run_sh(tmp_path, nvidia_smi, args=(), env=None, shards=0):
+def _run_sh(tmp_path, nvidia_smi, args=(), env=None, shards=0, fakes=None):
     """Runs a copy of run.sh with fakes on PATH and returns the commands it ran, one string each."""
     work, fakebin = tmp_path / "repo", tmp_path / "bin"
     work.mkdir()
@@ -120,7 +120,7 @@ def _run_sh(tmp_path, nvidia_smi, args=(), env=None, shards=0):
         (fineweb / "fineweb_val_000000.bin").touch()
         for i in range(1, shards + 1):
             (fineweb / f"fineweb_train_{i:06d}.bin").touch()
-    fakes = {"python": RECORDER.format(name="python"), "torchrun": RECORDER.format(name="torchrun")}
+    fakes = {"python": RECORDER.format(name="python"), "torchrun": RECORDER.format(name="torchrun")} | (fakes or {})
     if nvidia_smi is not None:
         fakes["nvidia-smi"] = nvidia_smi
     for name, text in fakes.items():
@@ -151,6 +151,12 @@ def test_run_sh_fetches_missing_fineweb_then_uses_every_gpu(tmp_path):
         "python data/cached_fineweb10B.py 9",
         "torchrun --standalone --nproc_per_node=2 train_gpt2.py --seed=1",
     ]
+
+
+def test_run_sh_falls_back_to_the_smoke_run_when_the_fetch_fails(tmp_path):
+    failing_python = '#!/bin/sh\necho "python $*" >> "$RECORD"\ncase "$1" in data/*) exit 2;; esac\n'
+    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--seed=1"], fakes={"python": failing_python})
+    assert calls == ["python data/cached_fineweb10B.py 9", "python train_gpt2.py --preset smoke --seed=1"]
 
 
 def test_run_sh_skips_the_fetch_when_shards_are_present_and_honours_nproc(tmp_path):
