@@ -9,13 +9,9 @@
 import copy
 import dataclasses
 import math
-import os
 import resource
-import shutil
-import signal
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import torch
@@ -30,6 +26,7 @@ from runtime import checkpoint, dist
 from runtime.cli import parse_config
 from runtime.errors import UserError, exit_on_user_error
 from runtime.logger import RunLog
+from runtime.run import StopRequest, all_finite, check_disk_space, make_run_dir, profiled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,42 +157,6 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
                      logit_softcap=cfg.logit_softcap, block_size=BLOCK_SIZE)
 
 
-def make_run_dir(cfg: TrainConfig, rt: dist.Runtime) -> Path:
-    """A fresh folder under --log_dir, proven writable (and roomy enough for checkpoints) before training."""
-    run_id = dist.broadcast_object(time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6], rt)
-    run_dir = Path(cfg.log_dir) / run_id
-    if rt.is_master:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            probe = run_dir / ".write_probe"
-            probe.write_bytes(b"\0" * 4096)
-            probe.unlink()
-        except OSError as e:
-            raise UserError(f"--log_dir={cfg.log_dir} is not writable ({e.strerror}); "
-                            f"pass a folder you can write to, e.g. --log_dir=/tmp/logs") from None
-    return run_dir
-
-
-def check_disk_space(run_dir: Path, needed_bytes: int, what: str) -> None:
-    free = shutil.disk_usage(run_dir).free
-    if free < needed_bytes:
-        raise UserError(f"--log_dir={run_dir.parent} has {free / 2**30:.2f} GiB free but {what} needs about "
-                        f"{needed_bytes / 2**30:.2f} GiB; free some space or pass another --log_dir")
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def oom_advice(cfg: TrainConfig) -> str:
     """Flags that need less memory per GPU and still pass derive()."""
     if cfg.device_batch_size > 1:
@@ -208,39 +169,6 @@ def oom_advice(cfg: TrainConfig) -> str:
         return (f"try --seq_len={half} --batch_size={cfg.batch_size * 2} (twice as many sequences, half as long: "
                 f"about the same tokens per step)")
     return "even one sequence of 128 tokens does not fit: use a smaller model (--num_layers, --model_dim)"
-
-
-def all_finite(tensors) -> bool:
-    """True when no element is inf/nan; one device sync for all the tensors."""
-    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
-
-
-def profiled(fn, step: int, out_dir: Path | None):
-    """Run fn(step) under torch.profiler; rank 0 writes the kernel table and a Chrome trace."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        result = fn(step)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    if out_dir is not None:
-        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-        (out_dir / f"profile_step{step + 1}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=60))
-        prof.export_chrome_trace(str(out_dir / f"profile_step{step + 1}.json"))
-    return result
-
-
-class StopRequest:
-    """Turns SIGINT/SIGTERM into a flag the loop checks, so a stop ends with a checkpoint, not a crash."""
-
-    def __init__(self):
-        self.signal = 0
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signal = signum
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,7 +218,7 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
 
     # ----------------------------------------------------------------------------------------------
     # 3. run folder and log, made only once the config and the data are known to be good
-    run_dir = make_run_dir(cfg, rt)
+    run_dir = make_run_dir(cfg.log_dir, rt)
     log = RunLog(run_dir, cfg.num_iterations, derived.tokens_per_step, enabled=rt.is_master)
 
     # ----------------------------------------------------------------------------------------------
@@ -377,7 +305,7 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         train_loader.load_state_dict(state["loader"])
-        set_rng_state(state["rng"])
+        checkpoint.set_rng_state(state["rng"])
         start_step, train_time_ms = state["step"], state["train_time_ms"]
         log.print(f"resumed from {checkpoint.resolve(cfg.resume)} at step {start_step}")
         del state
@@ -387,7 +315,7 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
             return None
         path = checkpoint.checkpoint_path(run_dir, step)
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "loader": train_loader.state_dict(), "rng": rng_state(), "step": step,
+                 "loader": train_loader.state_dict(), "rng": checkpoint.rng_state(), "step": step,
                  "train_time_ms": train_time_ms, "config": dataclasses.asdict(cfg),
                  "model_config": dataclasses.asdict(mcfg)}
         try:

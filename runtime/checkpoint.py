@@ -81,6 +81,19 @@ def load_checkpoint(path: str, map_location="cpu", mmap: bool = False) -> dict:
     return state
 
 
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 def config_diff(saved: dict, current: dict, ignore: set[str]) -> list[str]:
     """Fields (outside `ignore`) whose values differ, as 'name: saved -> current'."""
     names = (set(saved) | set(current)) - ignore
