@@ -20,8 +20,8 @@ import torch
 
 from data.shard import BOS_ID
 from data.tokenizer import get_encoding
-from model.gpt import GPT, GPTConfig
-from runtime.checkpoint import load_checkpoint
+from model.gpt import GPT
+from runtime.checkpoint import load_model
 from runtime.dist import choose_device
 from runtime.errors import exit_on_user_error
 
@@ -68,14 +68,6 @@ def generate(model: GPT, prompt: list[int], *, max_new_tokens: int, temperature:
     return tokens_BN[:, len(prompt):].tolist()
 
 
-def load(path: str, device: torch.device) -> tuple[GPT, dict]:
-    """The model (eval mode) and the training config it was trained with."""
-    state = load_checkpoint(path, map_location="cpu")
-    model = GPT(GPTConfig(**state["model_config"]))
-    model.load_state_dict(state["model"])
-    return model.to(device).eval(), state["config"]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python sample.py", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a ckpt_<step>.pt file or the run folder holding it")
@@ -92,11 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--{name}={getattr(args, name)} must be at least {low}")
 
     device = choose_device(args.device, local_rank=0)
-    model, train_config = load(args.checkpoint, device)
-    # FlexAttention is the fast path on GPUs; on the CPU the explicit mask is faster at these lengths
-    model.attention_backend = "flex" if device.type == "cuda" else "sdpa"
-    if device.type == "cpu":
-        model.compute_dtype = torch.float32  # CPUs without bf16 units emulate it slowly
+    model, train_config = load_model(args.checkpoint, device)
     enc = get_encoding()
     prompt = [BOS_ID] + enc.encode_ordinary(args.prompt)
     generator = torch.Generator(device).manual_seed(args.seed)

@@ -227,10 +227,7 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
     mcfg = model_config(cfg)
     model = GPT(mcfg).to(device)
     model.init_weights()
-    # FlexAttention has no CPU backward: on CPU the same mask runs through SDPA (tests prove them equal)
-    model.attention_backend = "flex" if cuda else "sdpa"
-    if not cuda:
-        model.compute_dtype = torch.float32  # CPUs without bf16 units emulate it slowly
+    dist.use_device_paths(model, device)
     if cfg.compile:
         model.compile_regions()
     initial_weights = copy.deepcopy(model.state_dict())

@@ -186,9 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     examples = select_examples(args.hellaswag_file, args.limit or None)
     rt = dist.setup(args.device)
     try:
-        model = load_model(args.checkpoint, rt.device)
-        if rt.device.type == "cpu":
-            model.compute_dtype = torch.float32  # CPUs without bf16 units emulate it slowly
+        model, _ = load_model(args.checkpoint, rt.device)
         correct, total = count_correct(model, rt, examples)
         if rt.is_master:
             print(f"hellaswag accuracy: {correct / total:.4f} ({correct}/{total})")

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from model.gpt import GPT, GPTConfig
+from runtime.dist import use_device_paths
 from runtime.errors import UserError
 
 KEEP = 2  # the newest and one spare, in case the newest is damaged after its write
@@ -100,9 +101,11 @@ def config_diff(saved: dict, current: dict, ignore: set[str]) -> list[str]:
     return [f"{n}: {saved.get(n)!r} -> {current.get(n)!r}" for n in sorted(names) if saved.get(n) != current.get(n)]
 
 
-def load_model(path: str, device="cpu"):
-    """The trained GPT from a checkpoint, for sampling and evaluation (weights only, eval mode)."""
+def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
+    """The trained GPT from a checkpoint (eval mode, kernels chosen for `device`) and the training config it
+    was trained with, for sampling and evaluation."""
     state = load_checkpoint(path, map_location=device)
     model = GPT(GPTConfig(**state["model_config"])).to(device)
     model.load_state_dict(state["model"])
-    return model.eval()
+    use_device_paths(model, device)
+    return model.eval(), state["config"]

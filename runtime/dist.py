@@ -34,6 +34,14 @@ def choose_device(flag: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def use_device_paths(model, device: torch.device) -> None:
+    """Pick the model's kernels for `device`. FlexAttention has no CPU backward, so on the CPU the same mask
+    runs through SDPA (tests prove the two equal); CPUs without bf16 units emulate it slowly, so CPU math is fp32."""
+    model.attention_backend = "flex" if device.type == "cuda" else "sdpa"
+    if device.type != "cuda":
+        model.compute_dtype = torch.float32
+
+
 def setup(device_flag: str) -> Runtime:
     """Read torchrun's environment (absent: one process) and join the process group.
 
