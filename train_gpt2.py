@@ -49,13 +49,14 @@ class TrainConfig:
     head_dim: int = 128  # per-head width
     vocab_size: int = 50304  # GPT-2's 50,257 padded to a multiple of 128 for fast matmuls
     num_value_embeds: int = 3  # value embeddings shared by the first and last 3 layers (record #28); 0 = off
-    logit_softcap: float = 30.0  # cap * tanh(logits / cap), as in the seed-era records (from Gemma 2)
+    logit_softcap: float = 15.0  # cap * tanh(logits / cap) (Gemma 2); 15 since modded-nanogpt's 2025-01-04 record
+    fp8_head: bool = True  # LM head matmuls in FP8 on GPUs that have it (compute capability 8.9+), bf16 elsewhere
     # optimization
     num_iterations: int = 1750  # optimizer steps, about the length of the mid-2025 records
     cooldown_frac: float = 0.45  # last fraction of steps over which the learning rate decays (record #28)
     final_lr_frac: float = 0.1  # learning rate at the last step, as a fraction of the peak (record #28)
     lr_hidden: float = 0.05  # Muon learning rate for the hidden matrices (record #28)
-    lr_embed: float = 0.3  # Adam learning rate for token and value embeddings (record #28)
+    lr_embed: float = 0.6  # Adam learning rate for token and value embeddings (record #28: 0.008 x lr_mul 75)
     lr_head: float = 0.008  # Adam learning rate for the LM head (record #28)
     lr_scalar: float = 0.04  # Adam learning rate for the mixing scalars (record #28)
     momentum_start: float = 0.85  # Muon momentum at step 0, warmed up linearly (the records' 0.85 -> 0.95)
@@ -227,7 +228,10 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
     mcfg = model_config(cfg)
     model = GPT(mcfg).to(device)
     model.init_weights()
-    dist.use_device_paths(model, device)
+    dist.use_device_paths(model, device, fp8_head=cfg.fp8_head)
+    if cfg.fp8_head and cuda and not model.head.fp8:
+        log.print(f"note: this GPU (compute capability {torch.cuda.get_device_capability(device)}) has no FP8 "
+                  f"matrix units, so the LM head runs in bf16; pass --fp8_head 0 to make that explicit")
     if cfg.compile:
         model.compile_regions()
     initial_weights = copy.deepcopy(model.state_dict())

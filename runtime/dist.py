@@ -34,12 +34,19 @@ def choose_device(flag: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def use_device_paths(model, device: torch.device) -> None:
+def fp8_supported(device: torch.device) -> bool:
+    """torch._scaled_mm's FP8 path needs compute capability 8.9+ (Ada, Hopper and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def use_device_paths(model, device: torch.device, fp8_head: bool = False) -> None:
     """Pick the model's kernels for `device`. FlexAttention has no CPU backward, so on the CPU the same mask
-    runs through SDPA (tests prove the two equal); CPUs without bf16 units emulate it slowly, so CPU math is fp32."""
+    runs through SDPA (tests prove the two equal); CPUs without bf16 units emulate it slowly, so CPU math is fp32.
+    The LM head runs in FP8 when asked for and the GPU has it."""
     model.attention_backend = "flex" if device.type == "cuda" else "sdpa"
     if device.type != "cuda":
         model.compute_dtype = torch.float32
+    model.head.fp8 = fp8_head and fp8_supported(device)
 
 
 def setup(device_flag: str) -> Runtime:

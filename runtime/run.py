@@ -1,4 +1,5 @@
 """The run folder and the controls around the training loop: stop requests, divergence, profiling."""
+import json
 import shutil
 import signal
 import time
@@ -40,19 +41,44 @@ def all_finite(tensors) -> bool:
 
 
 def profiled(fn, step: int, out_dir: Path | None):
-    """Run fn(step) under torch.profiler; rank 0 writes the kernel table and a Chrome trace."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    """Run fn(step) under torch.profiler; rank 0 writes the kernel table and a Chrome trace, and logs how much of
+    the step the GPU spent in kernels (the rest is the GPU waiting for the CPU: launches, syncs, Python)."""
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
         result = fn(step)
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.synchronize()
+        wall_ms = 1e3 * (time.perf_counter() - t0)
     if out_dir is not None:
-        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-        (out_dir / f"profile_step{step + 1}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=60))
-        prof.export_chrome_trace(str(out_dir / f"profile_step{step + 1}.json"))
+        sort = "cuda_time_total" if cuda else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=60)
+        trace = out_dir / f"profile_step{step + 1}.json"
+        prof.export_chrome_trace(str(trace))
+        if cuda:
+            busy_ms, span_ms = kernel_busy_ms(trace)
+            table = (f"step {step + 1}: {wall_ms:.1f} ms wall under the profiler; GPU kernels busy {busy_ms:.1f} ms "
+                     f"of the {span_ms:.1f} ms from the first kernel to the last ({busy_ms / span_ms:.0%})\n" + table)
+        (out_dir / f"profile_step{step + 1}.txt").write_text(table)
     return result
+
+
+def kernel_busy_ms(chrome_trace: Path) -> tuple[float, float]:
+    """(time covered by at least one GPU kernel, time from the first kernel's start to the last one's end), in ms,
+    from a torch.profiler Chrome trace."""
+    events = json.loads(chrome_trace.read_text())["traceEvents"]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e)
+    if not spans:
+        return 0.0, 0.0
+    busy, (start, end) = 0.0, spans[0]
+    first = start
+    for s, e in spans[1:]:
+        if s > end:
+            busy, start = busy + end - start, s
+        end = max(end, e)
+    busy += end - start
+    return busy / 1e3, (end - first) / 1e3
 
 
 class StopRequest:

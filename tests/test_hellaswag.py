@@ -23,7 +23,7 @@ TINY_FILE = Path(__file__).parent / "data" / "hellaswag_tiny.jsonl"
 # real GPT-2 token ids need the full (padded) vocabulary; the rest is as small as the model allows
 TINY = GPTConfig(num_layers=2, model_dim=8, num_heads=2, head_dim=4, num_value_embeds=1)
 CPU = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-BOOST = 10.0  # raw logit of a preferred token; the softcap makes it 30 tanh(1/3) = 9.65
+BOOST = 10.0  # raw logit of a preferred token; the softcap c makes it c tanh(BOOST / c) (15: 8.74)
 
 
 def bag_model(preferred: set[int]) -> GPT:
@@ -93,7 +93,7 @@ def test_ending_losses_match_the_closed_form_of_the_bag_model():
     rows = [([BOS_ID] + enc.encode_ordinary("Once upon a time"), enc.encode_ordinary(text))
             for text in (" the cat sat", " the dog sat", " a dog ran away")]
     # softmax over V logits: len(preferred) of them z, the others 0
-    z = 30.0 * math.tanh(BOOST / 30.0)
+    z = TINY.logit_softcap * math.tanh(BOOST / TINY.logit_softcap)
     log_norm = math.log(len(preferred) * math.exp(z) + TINY.vocab_size - len(preferred))
     expected = [sum(log_norm - (z if t in preferred else 0.0) for t in ending) / len(ending) for _, ending in rows]
     losses = hellaswag.ending_losses(model, rows, num_rows=5, device="cpu")

@@ -1,0 +1,140 @@
+"""The LM head: final norm, untied projection to the vocabulary, tanh softcap and cross-entropy.
+
+The head is the largest matrix product of the 124M model (a third of its FLOPs) and its (tokens x vocab)
+logits are the largest tensor (49,152 x 50,304 per micro-batch: 9.9 GB in fp32). Two paths compute one loss:
+
+- `reference_loss`: capped fp32 logits, then F.cross_entropy. The obvious code; tests compare against it.
+- `HeadLoss`: an autograd.Function that keeps only the bf16 logits (or nothing larger) for backward. Its forward
+  reduces the capped logits to one log-sum-exp per token; its backward writes the logits' gradient once, already
+  in FP8 when the projection is FP8. Under torch.compile each side is one fused reduction or pointwise kernel
+  plus the matrix products: the fp32 (tokens x vocab) tensors of the reference never exist (the idea of Cut
+  Cross-Entropy, Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models", without its
+  custom matmul kernel).
+
+FP8 (`fp8=True`, GPUs with compute capability 8.9+; modded-nanogpt's FP8 head, record of 2025-01-13): the
+three matrix products run in torch._scaled_mm with e4m3 inputs/weights and e5m2 gradients, per-tensor scales.
+The scales come from bounds, not from a history: the normed input has |x| <= sqrt(D) (its RMS is 1), the weight
+is scaled by its own absolute maximum, and the gradient is scaled by 2^15 times its bound (below).
+
+Shape legend: N tokens (flattened batch), D model dim, V vocab.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.layers import norm
+
+IGNORE_INDEX = -100  # targets equal to this contribute no loss (F.cross_entropy's default)
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+# The unit gradient (softmax - onehot) * tanh' lies in [-1, 1]; 2^15 maps it below e5m2's max of 57,344 while
+# keeping values down to 2^-16 / 2^15 ~ 5e-10 of the bound out of the flush-to-zero range.
+GRAD_FP8_SCALE = 2.0 ** 15
+
+
+def capped(logits: Tensor, softcap: float) -> Tensor:
+    """softcap * tanh(logits / softcap) in fp32, or fp64 for fp64 input (Gemma 2's logit softcap)."""
+    return softcap * torch.tanh(logits.to(torch.promote_types(logits.dtype, torch.float32)) / softcap)
+
+
+def reference_loss(x_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, softcap: float) -> Tensor:
+    """Per-token cross-entropy (N,) in fp32 of capped logits x @ W^T computed in x's dtype; 0 where ignored."""
+    logits_NV = capped(F.linear(x_ND, weight_VD.type_as(x_ND)), softcap)
+    return F.cross_entropy(logits_NV, targets_N, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def _fp8_scale(t: Tensor) -> Tensor:
+    """Per-tensor e4m3 scale from the absolute maximum (an all-zero tensor, like the initial head, gets 1)."""
+    amax = t.abs().amax().float()
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def _to_e4m3(t: Tensor, scale: Tensor) -> Tensor:
+    # the clamp guards rounding at the bound: an out-of-range cast would not saturate on every backend
+    return (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _col_major(t: Tensor) -> Tensor:
+    """The same matrix stored column by column: the layout torch._scaled_mm wants for its second operand."""
+    return t.t().contiguous().t()
+
+
+class HeadLoss(torch.autograd.Function):
+    """Per-token loss of capped logits (N,) fp32, from normed x (N, D) and the fp32 master weight (V, D).
+
+    Saved for backward: the logits in x's dtype (bf16 on the GPU), one fp32 log-sum-exp per token and the
+    projection's operands (FP8 copies when `fp8`)."""
+
+    @staticmethod
+    def forward(ctx, x_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, softcap: float, fp8: bool) -> Tensor:
+        if fp8:
+            # normed rows have RMS 1, so |x| <= sqrt(D): a fixed scale that can never overflow
+            x_scale = torch.full((), math.sqrt(x_ND.size(-1)) / E4M3_MAX, device=x_ND.device)
+            w_scale = _fp8_scale(weight_VD)
+            x_op, w_op = _to_e4m3(x_ND, x_scale), _to_e4m3(weight_VD, w_scale)
+            logits_NV = torch._scaled_mm(x_op, w_op.t(), scale_a=x_scale, scale_b=w_scale,
+                                         out_dtype=x_ND.dtype, use_fast_accum=True)
+        else:
+            x_scale = w_scale = None
+            x_op, w_op = x_ND, weight_VD.type_as(x_ND)
+            logits_NV = x_op @ w_op.t()
+        valid_N = targets_N != IGNORE_INDEX
+        safe_N = torch.where(valid_N, targets_N, 0)
+        lse_N = torch.logsumexp(capped(logits_NV, softcap), dim=-1)
+        target_logit_N = capped(logits_NV.gather(1, safe_N[:, None]).squeeze(1), softcap)
+        ctx.save_for_backward(x_op, w_op, x_scale, w_scale, logits_NV, lse_N, targets_N)
+        ctx.softcap, ctx.fp8, ctx.x_dtype, ctx.w_dtype = softcap, fp8, x_ND.dtype, weight_VD.dtype
+        return torch.where(valid_N, lse_N - target_logit_N, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_N: Tensor):
+        softcap, fp8 = ctx.softcap, ctx.fp8
+        x_op, w_op, x_scale, w_scale, logits_NV, lse_N, targets_N = ctx.saved_tensors
+        valid_N = targets_N != IGNORE_INDEX
+        grad_N = torch.where(valid_N, grad_N, 0.0)
+        # d loss / d raw logit = (softmax - onehot) * (1 - tanh^2), each factor bounded by 1 in magnitude
+        z_NV = capped(logits_NV, softcap)
+        probs_NV = torch.exp(z_NV - lse_N[:, None])
+        onehot_NV = torch.arange(z_NV.size(1), device=z_NV.device)[None, :] == targets_N[:, None]
+        unit_NV = (probs_NV - onehot_NV.to(z_NV.dtype)) * (1.0 - (z_NV / softcap) ** 2)
+        if not fp8:
+            grad_logits_NV = (unit_NV * grad_N[:, None]).to(ctx.x_dtype)
+            grad_x = grad_logits_NV @ w_op
+            grad_w = (grad_logits_NV.t() @ x_op).to(ctx.w_dtype)
+            return grad_x, grad_w, None, None, None
+        grad_bound = grad_N.abs().amax().float()
+        grad_bound = torch.where(grad_bound > 0, grad_bound, torch.ones_like(grad_bound))
+        g_scale = grad_bound / GRAD_FP8_SCALE
+        g8_NV = (unit_NV * (grad_N / g_scale)[:, None]).to(torch.float8_e5m2)
+        grad_x = torch._scaled_mm(g8_NV, _col_major(w_op), scale_a=g_scale, scale_b=w_scale,
+                                  out_dtype=ctx.x_dtype)
+        grad_w = torch._scaled_mm(g8_NV.t().contiguous(), _col_major(x_op), scale_a=g_scale, scale_b=x_scale,
+                                  out_dtype=torch.float32)
+        return grad_x, grad_w.to(ctx.w_dtype), None, None, None
+
+
+class Head(nn.Module):
+    """Final norm, untied LM head, softcap and cross-entropy: a module of its own so it compiles as one region.
+
+    `fp8` is set from outside (runtime.dist.use_device_paths) on GPUs that have FP8 matrix units."""
+
+    def __init__(self, dim: int, vocab_size: int, softcap: float):
+        super().__init__()
+        self.softcap = softcap
+        self.fp8 = False
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim))
+
+    def logits(self, x_BTD: Tensor) -> Tensor:
+        """Capped fp32 logits (B, T, V), for sampling and tests (in x's dtype, never FP8)."""
+        return capped(F.linear(norm(x_BTD), self.weight.type_as(x_BTD)), self.softcap)
+
+    def forward(self, x_BTD: Tensor, targets_BT: Tensor, reduction: str) -> Tensor:
+        """Cross-entropy over targets != IGNORE_INDEX: "mean" and "sum" give a scalar, "none" a (B, T) tensor."""
+        x_ND = norm(x_BTD).flatten(0, 1)
+        loss_N = HeadLoss.apply(x_ND, self.weight, targets_BT.flatten(), self.softcap, self.fp8)
+        if reduction == "none":
+            return loss_N.view_as(targets_BT)
+        if reduction == "sum":
+            return loss_N.sum()
+        return loss_N.sum() / (targets_BT != IGNORE_INDEX).sum()
