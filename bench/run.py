@@ -43,6 +43,7 @@ def launch(nproc: int, train_args: list[str], log_dir: Path, console: Path) -> t
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         for line in proc.stdout:
             out.write(line)
+            out.flush()  # a run killed by a time limit still leaves its log
             if warm is None and line.startswith("warm-up:"):
                 warm = time.perf_counter() - t0
         if proc.wait():
