@@ -44,6 +44,14 @@ def reference_loss(x_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, softcap: 
     return F.cross_entropy(logits_NV, targets_N, ignore_index=IGNORE_INDEX, reduction="none")
 
 
+def bounded_logsumexp(z_NV: Tensor, softcap: float) -> Tensor:
+    """log-sum-exp over the last dim of capped logits in one pass: z lies in [-c, c], so exp(z - c) never
+    overflows and its sum is at least V e^(-2c), far from underflow; no running maximum is needed. Compiled, the
+    head's forward reduction fell from 4.9 to 2.7 ms per 49,152-token micro-batch on the H200
+    (torch.logsumexp reads the logits twice; bench/results/README.md)."""
+    return softcap + torch.log(torch.exp(z_NV - softcap).sum(dim=-1))
+
+
 def _fp8_scale(t: Tensor) -> Tensor:
     """Per-tensor e4m3 scale from the absolute maximum (an all-zero tensor, like the initial head, gets 1)."""
     amax = t.abs().amax().float()
@@ -81,7 +89,7 @@ class HeadLoss(torch.autograd.Function):
             logits_NV = x_op @ w_op.t()
         valid_N = targets_N != IGNORE_INDEX
         safe_N = torch.where(valid_N, targets_N, 0)
-        lse_N = torch.logsumexp(capped(logits_NV, softcap), dim=-1)
+        lse_N = bounded_logsumexp(capped(logits_NV, softcap), softcap)
         target_logit_N = capped(logits_NV.gather(1, safe_N[:, None]).squeeze(1), softcap)
         ctx.save_for_backward(x_op, w_op, x_scale, w_scale, logits_NV, lse_N, targets_N)
         ctx.softcap, ctx.fp8, ctx.x_dtype, ctx.w_dtype = softcap, fp8, x_ND.dtype, weight_VD.dtype

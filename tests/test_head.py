@@ -137,3 +137,12 @@ def test_compiled_head_on_gpu(fp8):
     torch.testing.assert_close(loss.float(), want, rtol=1e-2, atol=0)
     bound = 0.99 if fp8 else 0.999
     assert cosine(xb.grad, xr.grad) > bound and cosine(gw, wr.grad) > bound
+
+
+def test_bounded_logsumexp_equals_logsumexp_at_the_extremes():
+    """One-pass log-sum-exp of capped logits == torch.logsumexp, also with every logit at -cap or +cap."""
+    from model.head import bounded_logsumexp, capped
+
+    z = torch.cat([capped(100 * torch.randn(6, 50304), SOFTCAP), torch.full((1, 50304), -SOFTCAP),
+                   torch.full((1, 50304), SOFTCAP)])
+    torch.testing.assert_close(bounded_logsumexp(z, SOFTCAP), torch.logsumexp(z, dim=-1), rtol=1e-6, atol=1e-5)
