@@ -29,8 +29,9 @@ def versions(device: torch.device) -> dict:
                                 timeout=10).stdout.strip()
     except OSError:  # no git on the machine: the logged source below still says what ran
         commit = ""
-    # a copy of the code outside its git history (a container, a copied tree) may say where it came from
-    info["git_commit"] = commit if len(commit) == 40 else os.environ.get("SPEEDRUN_GIT_COMMIT")
+    # A copy of the code (a container, an exported tree) says where it came from with SPEEDRUN_GIT_COMMIT; it wins
+    # over git, because a copy placed inside another checkout would otherwise report that checkout's HEAD.
+    info["git_commit"] = os.environ.get("SPEEDRUN_GIT_COMMIT") or (commit if len(commit) == 40 else None)
     return info
 
 

@@ -111,3 +111,14 @@ def test_kernel_busy_time_merges_overlaps(tmp_path):
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"traceEvents": events}))
     assert kernel_busy_ms(trace) == (2.0, 3.5)  # [0, 1500] + [3000, 3500] busy, of [0, 3500]
+
+
+def test_logged_commit_prefers_the_environment(monkeypatch):
+    """An exported copy of the code names its commit with SPEEDRUN_GIT_COMMIT, even inside another checkout."""
+    from runtime.logger import versions
+
+    monkeypatch.setenv("SPEEDRUN_GIT_COMMIT", "abc1234")
+    assert versions(torch.device("cpu"))["git_commit"] == "abc1234"
+    monkeypatch.delenv("SPEEDRUN_GIT_COMMIT")
+    commit = versions(torch.device("cpu"))["git_commit"]
+    assert commit is None or (len(commit) == 40 and int(commit, 16) >= 0)  # git's HEAD, or no git at all
