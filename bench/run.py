@@ -27,6 +27,8 @@ from model.gpt import GPTConfig, flops_per_token
 
 REPO = Path(__file__).resolve().parent.parent
 SKIP = 5  # steps after warm-up left out of the median: the allocator and clocks are still settling
+TIMED = 20  # BENCHMARKS.md: the median of at least 20 steps after warm-up
+MIN_STEPS = SKIP + TIMED + 2  # the first step has no predecessor line, and one may be profiled
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16, NVIDIA datasheet (the two share the chip)
 
 
@@ -60,9 +62,12 @@ def read_run(log_dir: Path) -> tuple[dict, list[dict], list[str]]:
     return head, metrics, lines
 
 
-def per_step_ms(metrics: list[dict]) -> list[float]:
+def per_step_ms(metrics: list[dict], profiled_step: int = 0) -> list[float]:
+    """Duration of each step from consecutive train-loss lines (step n's line comes after n steps), leaving out
+    the step traced by --profile_step: the profiler slows it down."""
     train = [m for m in metrics if "train_loss" in m]
-    return [b["train_time_ms"] - a["train_time_ms"] for a, b in zip(train, train[1:]) if b["step"] == a["step"] + 1]
+    return [b["train_time_ms"] - a["train_time_ms"] for a, b in zip(train, train[1:])
+            if b["step"] == a["step"] + 1 and b["step"] != profiled_step]
 
 
 def memory(lines: list[str]) -> dict:
@@ -79,11 +84,14 @@ def main():
     ap.add_argument("--data", required=True, help="folder with fineweb_train_*.bin and fineweb_val_*.bin")
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--nproc", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=40, help="throughput: timed steps (>= 20 after SKIP)")
+    ap.add_argument("--steps", type=int, default=40, help=f"throughput: steps to run (>= {MIN_STEPS})")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)  # what follows `--` goes to train_gpt2.py as is
     args = ap.parse_args(argv[:split])
     args.train_args = argv[split + 1:]
+    if args.mode == "throughput" and args.steps < MIN_STEPS:
+        ap.error(f"--steps={args.steps} leaves fewer than {TIMED} timed steps after the first {SKIP}; "
+                 f"use --steps={MIN_STEPS} or more")
 
     data = [f"--train_files={args.data}/fineweb_train_*.bin", f"--val_files={args.data}/fineweb_val_*.bin"]
     if args.mode == "throughput":
@@ -113,7 +121,7 @@ def main():
         "warmup_line": next((l for l in lines if l.startswith("warm-up:")), None), **memory(lines),
     }
     if args.mode == "throughput":
-        times = per_step_ms(metrics)[SKIP:]
+        times = per_step_ms(metrics, profiled_step=cfg.get("profile_step", 0))[SKIP:]
         med = statistics.median(times)
         fpt = flops_per_token(GPTConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in mcfg.items()}),
                               seq_len=cfg["seq_len"], window=cfg["window_max_tokens"])

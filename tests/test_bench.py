@@ -1,0 +1,25 @@
+"""bench/run.py: how per-step times come out of a run's metrics, and the guard on too few timed steps."""
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.run import MIN_STEPS, per_step_ms
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_per_step_times_skip_gaps_and_the_profiled_step():
+    # train_time_ms at the line after each step; step 4 was profiled (slow), step 6 has no line before it
+    lines = [(1, 100.0), (2, 180.0), (3, 260.0), (4, 1300.0), (5, 1380.0), (7, 1540.0), (8, 1620.0)]
+    metrics = [{"step": s, "train_loss": 1.0, "train_time_ms": t} for s, t in lines] + [{"step": 8, "val_loss": 1.0}]
+    assert per_step_ms(metrics, profiled_step=4) == [80.0, 80.0, 80.0, 80.0]
+    assert per_step_ms(metrics) == [80.0, 80.0, 1040.0, 80.0, 80.0]
+
+
+def test_throughput_refuses_too_few_steps(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "throughput", "--data", str(tmp_path), "--out",
+                           str(tmp_path / "out.json"), f"--steps={MIN_STEPS - 1}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"use --steps={MIN_STEPS} or more" in proc.stderr
+    assert not (tmp_path / "out.json").exists()
