@@ -89,7 +89,8 @@ PRESETS: dict[str, dict] = {
                   window_min_tokens=128, window_max_tokens=256, val_loss_every=20, log_every=5,
                   lr_embed=0.1, lr_head=0.01, warmup_steps=1, compile=False),
     # GPT-2 medium shape (350M; 24 layers, 1024 wide, 16 heads of 64); target val 2.92 = llm.c's GPT-2 medium
-    "d24": dict(num_layers=24, model_dim=1024, num_heads=16, head_dim=64, num_iterations=5000, lr_hidden=0.03),
+    "d24": dict(num_layers=24, model_dim=1024, num_heads=16, head_dim=64, num_iterations=5000, lr_hidden=0.03,
+                lr_embed=0.3),
     # GPT-2 large shape (774M; 36 layers, 1280 wide, 20 heads of 64); lower LRs as width grows (muP intuition)
     "d36": dict(num_layers=36, model_dim=1280, num_heads=20, head_dim=64, seq_len=32 * 1024, batch_size=16,
                 num_iterations=7000, lr_hidden=0.025, lr_embed=0.2),
@@ -99,7 +100,8 @@ PRESETS: dict[str, dict] = {
 }
 
 # Fields that never change the training math: a resumed run may differ in these and still be the same run.
-RESUME_MAY_CHANGE = {"resume", "log_dir", "checkpoint_every", "val_loss_every", "log_every", "compile",
+# compile and fp8_head change only rounding (kernels, precision of the same math), so a run can move between GPUs.
+RESUME_MAY_CHANGE = {"resume", "log_dir", "checkpoint_every", "val_loss_every", "log_every", "compile", "fp8_head",
                      "warmup_steps", "device", "hellaswag", "hellaswag_file", "val_files", "val_tokens", "preset"}
 BLOCK_SIZE = 128  # FlexAttention's tile: packed sequences are cut into blocks of this many tokens
 FINEWEB_SHARD_TOKENS = 100_000_000  # tokens per FineWeb train shard (data/cached_fineweb10B.py)

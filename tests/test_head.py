@@ -98,10 +98,12 @@ def test_fp8_zero_weight_gives_log_vocab():
     assert torch.isfinite(gw).all() and gw.abs().sum() > 0
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_head_reductions(reduction):
+def test_head_reductions(reduction, fused):
     torch.manual_seed(0)
     head = Head(32, 160, SOFTCAP)
+    head.fused = fused
     torch.nn.init.normal_(head.weight, std=0.5)
     x = torch.randn(2, 48, 32)
     targets = torch.randint(0, 160, (2, 48))
