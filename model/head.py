@@ -38,10 +38,15 @@ def capped(logits: Tensor, softcap: float) -> Tensor:
     return softcap * torch.tanh(logits.to(torch.promote_types(logits.dtype, torch.float32)) / softcap)
 
 
+def capped_logits(x: Tensor, weight_VD: Tensor, softcap: float) -> Tensor:
+    """Capped fp32 logits of x @ W^T, the product computed in x's dtype."""
+    return capped(F.linear(x, weight_VD.type_as(x)), softcap)
+
+
 def reference_loss(x_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, softcap: float) -> Tensor:
-    """Per-token cross-entropy (N,) in fp32 of capped logits x @ W^T computed in x's dtype; 0 where ignored."""
-    logits_NV = capped(F.linear(x_ND, weight_VD.type_as(x_ND)), softcap)
-    return F.cross_entropy(logits_NV, targets_N, ignore_index=IGNORE_INDEX, reduction="none")
+    """Per-token cross-entropy (N,) in fp32 of `capped_logits`; 0 where ignored."""
+    return F.cross_entropy(capped_logits(x_ND, weight_VD, softcap), targets_N, ignore_index=IGNORE_INDEX,
+                           reduction="none")
 
 
 def bounded_logsumexp(z_NV: Tensor, softcap: float) -> Tensor:
@@ -137,7 +142,7 @@ class Head(nn.Module):
 
     def logits(self, x_BTD: Tensor) -> Tensor:
         """Capped fp32 logits (B, T, V), for sampling and tests (in x's dtype, never FP8)."""
-        return capped(F.linear(norm(x_BTD), self.weight.type_as(x_BTD)), self.softcap)
+        return capped_logits(norm(x_BTD), self.weight, self.softcap)
 
     def forward(self, x_BTD: Tensor, targets_BT: Tensor, reduction: str) -> Tensor:
         """Cross-entropy over targets != IGNORE_INDEX: "mean" and "sum" give a scalar, "none" a (B, T) tensor."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from data.shard import BOS_ID
 from data.tokenizer import get_encoding
 from evals import hellaswag
+from helpers import random_gpt
 from model.gpt import GPT, GPTConfig
 from runtime.dist import Runtime
 
@@ -46,17 +47,7 @@ def bag_model(preferred: set[int]) -> GPT:
 
 def random_model() -> GPT:
     """A GPT whose logits depend on every earlier token: random projections and head instead of zeros."""
-    torch.manual_seed(1)
-    model = GPT(TINY)
-    model.init_weights()
-    with torch.no_grad():
-        for block in model.blocks:
-            block.attn.proj_w.normal_(std=0.3)
-            block.mlp.proj_w.normal_(std=0.3)
-        model.head.weight.normal_()
-    model.compute_dtype = torch.float32
-    model.attention_backend = "sdpa"
-    return model.eval()
+    return random_gpt(TINY, seed=1, std=0.3)
 
 
 def tiny_examples():

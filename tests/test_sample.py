@@ -7,6 +7,7 @@ import torch
 import sample
 from data.shard import BOS_ID
 from data.tokenizer import get_encoding
+from helpers import random_gpt
 from model.gpt import GPT
 from train_gpt2 import PRESETS, TrainConfig, model_config
 
@@ -17,17 +18,7 @@ PROMPT = "The quick brown fox"
 
 def random_model() -> GPT:
     """The smoke model with random instead of zero output projections and head, so its choices vary."""
-    torch.manual_seed(0)
-    model = GPT(model_config(CONFIG))
-    model.init_weights()
-    with torch.no_grad():
-        for block in model.blocks:
-            block.attn.proj_w.normal_(std=0.1)
-            block.mlp.proj_w.normal_(std=0.1)
-        model.head.weight.normal_()
-    model.attention_backend = "sdpa"
-    model.compute_dtype = torch.float32
-    return model.eval()
+    return random_gpt(model_config(CONFIG), seed=0, std=0.1)
 
 
 @pytest.fixture(scope="module")
