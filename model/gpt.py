@@ -37,6 +37,10 @@ class GPTConfig:
     # layers using the short window (half the long one); None = modded-nanogpt's 2025 long/short pattern:
     # long on every 4th layer and on the last, short elsewhere
     short_window_layers: tuple[int, ...] | None = None
+    # blocks without an MLP / without attention: record #28 drops layer 0's MLP (record of 2025-05-09) and layer
+    # 7's attention, saving their FLOPs at no measured loss there; empty = every block complete
+    no_mlp_layers: tuple[int, ...] = ()
+    no_attention_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size"):
@@ -56,6 +60,13 @@ class GPTConfig:
         if self.short_window_layers is not None and not all(0 <= i < self.num_layers for i in self.short_window_layers):
             raise ValueError(f"GPTConfig.short_window_layers={self.short_window_layers} must be layer indices "
                              f"below num_layers={self.num_layers}, or None for the default pattern")
+        for name in ("no_mlp_layers", "no_attention_layers"):
+            if not all(0 <= i < self.num_layers for i in getattr(self, name)):
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be layer indices below "
+                                 f"num_layers={self.num_layers}")
+        if self.value_residual and 0 in self.no_attention_layers:
+            raise ValueError("layer 0 must keep its attention: the value residual feeds its values to every later "
+                             "layer; remove 0 from no_attention_layers")
 
     def is_short_window(self, layer: int) -> bool:
         if self.short_window_layers is not None:
@@ -100,8 +111,9 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(V, D, _weight=torch.empty(V, D))
         self.value_embeds = nn.ModuleList([nn.Embedding(V, attn_dim, _weight=torch.empty(V, attn_dim))
                                            for _ in range(config.num_value_embeds)])
-        self.blocks = nn.ModuleList([Block(D, config.num_heads, config.head_dim, config.mlp_ratio, config.attn_scale)
-                                     for _ in range(L)])
+        self.blocks = nn.ModuleList([Block(D, config.num_heads, config.head_dim, config.mlp_ratio, config.attn_scale,
+                                           attention=i not in config.no_attention_layers,
+                                           mlp=i not in config.no_mlp_layers) for i in range(L)])
         # U-net skips (modded-nanogpt): block i < L//2 feeds block L-1-i through a learned weight; a one-block
         # model has none (an empty parameter would never get a gradient)
         self.skip_weights = nn.Parameter(torch.empty(L // 2)) if L >= 2 else None
@@ -214,9 +226,11 @@ def flops_per_token(config: GPTConfig, seq_len: int, window: int) -> float:
     document boundaries are data-dependent and ignored, so this is an upper bound on useful work).
     """
     D, A = config.model_dim, config.num_heads * config.head_dim
-    per_block = 3 * A * D + D * A + 2 * config.mlp_ratio * D * D
-    n_matmul = config.num_layers * per_block + config.vocab_size * D
+    attention_layers = [i for i in range(config.num_layers) if i not in config.no_attention_layers]
+    mlp_layers = config.num_layers - len(config.no_mlp_layers)
+    n_matmul = (len(attention_layers) * (3 * A * D + D * A) + mlp_layers * 2 * config.mlp_ratio * D * D
+                + config.vocab_size * D)
     short = int(short_window(torch.tensor(window), config.block_size))
     attention = sum(12 * A * mean_context(seq_len, short if config.is_short_window(i) else window)
-                    for i in range(config.num_layers))
+                    for i in attention_layers)
     return 6 * n_matmul + attention

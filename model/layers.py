@@ -103,25 +103,31 @@ class Block(nn.Module):
     """x0 mix, attention, MLP. Everything a layer needs arrives as a tensor (or None, or the mask), so all blocks
     share one compiled graph per (v_first, ve) presence pattern."""
 
-    def __init__(self, dim: int, num_heads: int, head_dim: int, mlp_ratio: int, attn_scale: float):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, mlp_ratio: int, attn_scale: float,
+                 attention: bool = True, mlp: bool = True):
         super().__init__()
-        self.attn = Attention(dim, num_heads, head_dim, attn_scale)
-        self.mlp = MLP(dim, mlp_ratio * dim)
+        # a block may go without its attention or its MLP (record #28: none in layer 7, none in layer 0)
+        self.attn = Attention(dim, num_heads, head_dim, attn_scale) if attention else None
+        self.mlp = MLP(dim, mlp_ratio * dim) if mlp else None
         # weights of (residual stream, normed embedding x0): the x0 shortcut of modded-nanogpt
         self.lambdas = nn.Parameter(torch.empty(2))
 
     def init_weights(self) -> None:
-        self.attn.init_weights()
-        self.mlp.init_weights()
+        for part in (self.attn, self.mlp):
+            if part is not None:
+                part.init_weights()
         with torch.no_grad():
             self.lambdas.copy_(torch.tensor([1.0, 0.0]))  # start as a plain residual stream
 
     def forward(self, x_BTD: Tensor, x0_BTD: Tensor, v_first_BTHd: Tensor | None, ve_BTA: Tensor | None,
-                cos_TP: Tensor, sin_TP: Tensor, mask: BlockMask | Tensor) -> tuple[Tensor, Tensor]:
-        """Returns (new residual stream (B, T, D), this layer's values (B, T, H, d))."""
+                cos_TP: Tensor, sin_TP: Tensor, mask: BlockMask | Tensor) -> tuple[Tensor, Tensor | None]:
+        """Returns (new residual stream (B, T, D), this layer's values (B, T, H, d), None without attention)."""
         mix = self.lambdas.type_as(x_BTD)
         x_BTD = mix[0] * x_BTD + mix[1] * x0_BTD
-        y_BTD, v_BTHd = self.attn(norm(x_BTD), v_first_BTHd, ve_BTA, cos_TP, sin_TP, mask)
-        x_BTD = x_BTD + y_BTD
-        x_BTD = x_BTD + self.mlp(norm(x_BTD))
+        v_BTHd = None
+        if self.attn is not None:
+            y_BTD, v_BTHd = self.attn(norm(x_BTD), v_first_BTHd, ve_BTA, cos_TP, sin_TP, mask)
+            x_BTD = x_BTD + y_BTD
+        if self.mlp is not None:
+            x_BTD = x_BTD + self.mlp(norm(x_BTD))
         return x_BTD, v_BTHd

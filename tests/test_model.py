@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from model.gpt import GPT, GPTConfig, flops_per_token
+from model.attention import short_window
+from model.gpt import GPT, GPTConfig, flops_per_token, mean_context
 
 BOS = 0
 TINY = GPTConfig(vocab_size=256, num_layers=4, model_dim=64, num_heads=2, head_dim=32, num_value_embeds=1,
@@ -213,3 +214,41 @@ def test_tiny_model_learns_a_repeating_pattern():
         losses.append(loss.item())
     assert abs(losses[0] - math.log(TINY.vocab_size)) < 1e-3
     assert losses[-1] < 0.01 * losses[0], losses[::10]  # measured: 5.55 -> 0.0006 (the rows are memorisable)
+
+
+PARTIAL = dataclasses.replace(TINY, no_mlp_layers=(0,), no_attention_layers=(2,))
+
+
+def test_blocks_without_mlp_or_attention_equal_zeroed_ones():
+    """A block without an MLP (attention) computes exactly what a complete block computes when that part's output
+    projection is zero, so dropping it (record #28) changes the FLOPs, not the function."""
+    partial = tiny_model(PARTIAL, random=True)
+    assert partial.blocks[0].mlp is None and partial.blocks[2].attn is None
+    complete = tiny_model(random=True)
+    state = {k: v for k, v in complete.state_dict().items()}
+    state.update(partial.state_dict())
+    complete.load_state_dict(state)
+    with torch.no_grad():
+        complete.blocks[0].mlp.proj_w.zero_()
+        complete.blocks[2].attn.proj_w.zero_()
+    inputs, targets = batch()
+    window = torch.tensor(64)
+    torch.testing.assert_close(partial(inputs, targets, window, reduction="none"),
+                               complete(inputs, targets, window, reduction="none"), rtol=0, atol=0)
+    partial(inputs, targets, window).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in partial.parameters())
+
+
+def test_dropped_parts_leave_the_flops_count():
+    A, D = TINY.num_heads * TINY.head_dim, TINY.model_dim
+    mlp0 = 6 * 2 * TINY.mlp_ratio * D * D
+    attn2 = 6 * 4 * A * D + 12 * A * mean_context(T, int(short_window(torch.tensor(T), TINY.block_size)))
+    assert TINY.is_short_window(2)
+    assert flops_per_token(PARTIAL, T, T) == pytest.approx(flops_per_token(TINY, T, T) - mlp0 - attn2)
+
+
+def test_partial_block_config_errors():
+    with pytest.raises(ValueError, match="layer 0 must keep its attention"):
+        GPTConfig(no_attention_layers=(0,))
+    with pytest.raises(ValueError, match="no_mlp_layers"):
+        GPTConfig(num_layers=4, num_value_embeds=1, no_mlp_layers=(4,))

@@ -12,13 +12,14 @@ GPT2_SHAPES = {"d12": (12, 768, 6), "d24": (24, 1024, 16), "d36": (36, 1280, 20)
 
 # Computed once by hand with V = 50,304, three value embeddings of width A = D, blocks of 12 D^2 weights + 5
 # scalars, and L // 2 skip weights:
-#   d12: 5 x 50,304 x 768  + 12 x (12 x 768^2  + 5) +  6 =   278,102,082
+#   d12: 5 x 50,304 x 768  + 12 x (12 x 768^2  + 5) +  6 =   278,102,082, less layer 0's MLP (8 x 768^2) and
+#        layer 7's attention (4 x 768^2 + 3 value weights), as in record #28:  271,024,191
 #   d24: 5 x 50,304 x 1024 + 24 x (12 x 1024^2 + 5) + 12 =   559,546,500
 #   d36: 5 x 50,304 x 1280 + 36 x (12 x 1280^2 + 5) + 18 = 1,029,734,598
 #   d48: 5 x 50,304 x 1600 + 48 x (12 x 1600^2 + 5) + 24 = 1,876,992,264
 # The blocks alone (85M, 302M, 708M, 1,475M) are GPT-2's non-embedding counts; the names 124M ... 1.5B count
 # GPT-2's tied embedding once, while this model adds an untied head and three value embeddings.
-EXPECTED_PARAMS = {"d12": 278_102_082, "d24": 559_546_500, "d36": 1_029_734_598, "d48": 1_876_992_264}
+EXPECTED_PARAMS = {"d12": 271_024_191, "d24": 559_546_500, "d36": 1_029_734_598, "d48": 1_876_992_264}
 
 
 def formula(cfg: TrainConfig) -> int:
@@ -28,7 +29,9 @@ def formula(cfg: TrainConfig) -> int:
     embeddings = V * D + cfg.num_value_embeds * V * A + V * D  # token embedding, value embeddings, untied head
     matrices = 3 * A * D + D * A + 2 * 4 * D * D  # q, k, v; attention output; MLP in and out (4x wide)
     scalars = 3 + 2  # value mixing weights (own, first layer, value embedding); residual / x0 mix
-    return embeddings + L * (matrices + scalars) + L // 2  # + U-net skip weights
+    dropped = (len(model_config(cfg).no_mlp_layers) * 2 * 4 * D * D
+               + len(model_config(cfg).no_attention_layers) * (3 * A * D + D * A + 3))
+    return embeddings + L * (matrices + scalars) + L // 2 - dropped  # + U-net skip weights
 
 
 @pytest.mark.parametrize("name", list(GPT2_SHAPES))
@@ -41,7 +44,9 @@ def test_preset_shape_and_parameter_count(name):
         model = GPT(model_config(cfg))
     assert model.num_params() == formula(cfg) == EXPECTED_PARAMS[name]
     block_matrices = sum(p.numel() for block in model.blocks for p in block.parameters() if p.ndim >= 2)
-    assert block_matrices == 12 * cfg.num_layers * cfg.model_dim ** 2
+    mcfg = model_config(cfg)
+    complete = cfg.num_layers - len(mcfg.no_mlp_layers) * 8 / 12 - len(mcfg.no_attention_layers) * 4 / 12
+    assert block_matrices == complete * 12 * cfg.model_dim ** 2
 
 
 @pytest.mark.parametrize("name", list(GPT2_SHAPES))
