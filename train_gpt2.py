@@ -49,8 +49,10 @@ class TrainConfig:
     head_dim: int = 128  # per-head width
     vocab_size: int = 50304  # GPT-2's 50,257 padded to a multiple of 128 for fast matmuls
     num_value_embeds: int = 3  # value embeddings shared by the first and last 3 layers (record #28); 0 = off
-    no_mlp_layers: str = "0"  # comma-separated layers without an MLP (record #28: layer 0); "" = none
+    no_mlp_layers: str = ""  # comma-separated layers without an MLP, e.g. "0"; "" = none (record #28 keeps all)
     no_attention_layers: str = "7"  # comma-separated layers without attention (record #28: layer 7); "" = none
+    value_residual: bool = False  # mix layer 0's values into every later layer's (Zhou et al. 2024); not in #28
+    attn_gate: bool = True  # per-head sigmoid gate on the attention output (record #28's sparse attention gate)
     logit_softcap: float = 15.0  # cap * tanh(logits / cap) (Gemma 2); 15 since modded-nanogpt's 2025-01-04 record
     fp8_head: bool = True  # LM head matmuls in FP8 on GPUs that have it (compute capability 8.9+), bf16 elsewhere
     # optimization
@@ -85,20 +87,21 @@ PRESETS: dict[str, dict] = {
     # the record run: modded-nanogpt record #28 (2025-08-23), 124M, 393,216 tokens per step
     "d12": {},
     # a tiny model on the sample corpus that ships in the repo: trains in well under a minute on 2 CPU cores
-    "smoke": dict(no_mlp_layers="", no_attention_layers="", train_files="sample", val_files="sample", val_tokens=4_096, seq_len=256, batch_size=2,
+    "smoke": dict(train_files="sample", val_files="sample", val_tokens=4_096, seq_len=256, batch_size=2,
                   device_batch_size=2, num_layers=2, model_dim=64, num_heads=2, head_dim=32, num_value_embeds=1,
-                  num_iterations=40, cooldown_frac=0.3,
+                  no_attention_layers="", num_iterations=40, cooldown_frac=0.3,
                   window_min_tokens=128, window_max_tokens=256, val_loss_every=20, log_every=5,
                   lr_embed=0.1, lr_head=0.01, warmup_steps=1, compile=False),
+    # The larger shapes keep every block complete: record #28's layer-7 cut was found for 12 layers only.
     # GPT-2 medium shape (350M; 24 layers, 1024 wide, 16 heads of 64); target val 2.92 = llm.c's GPT-2 medium
-    "d24": dict(no_mlp_layers="", no_attention_layers="", num_layers=24, model_dim=1024, num_heads=16, head_dim=64, num_iterations=5000, lr_hidden=0.03,
-                lr_embed=0.3),
+    "d24": dict(no_attention_layers="", num_layers=24, model_dim=1024, num_heads=16, head_dim=64,
+                num_iterations=5000, lr_hidden=0.03, lr_embed=0.3),
     # GPT-2 large shape (774M; 36 layers, 1280 wide, 20 heads of 64); lower LRs as width grows (muP intuition)
-    "d36": dict(no_mlp_layers="", no_attention_layers="", num_layers=36, model_dim=1280, num_heads=20, head_dim=64, seq_len=32 * 1024, batch_size=16,
-                num_iterations=7000, lr_hidden=0.025, lr_embed=0.2),
+    "d36": dict(no_attention_layers="", num_layers=36, model_dim=1280, num_heads=20, head_dim=64,
+                seq_len=32 * 1024, batch_size=16, num_iterations=7000, lr_hidden=0.025, lr_embed=0.2),
     # GPT-2 XL shape (1.5B; 48 layers, 1600 wide, 25 heads of 64), as in the speedrun's 1.5B scale-up
-    "d48": dict(no_mlp_layers="", no_attention_layers="", num_layers=48, model_dim=1600, num_heads=25, head_dim=64, seq_len=16 * 1024, batch_size=32,
-                num_iterations=10000, lr_hidden=0.02, lr_embed=0.15),
+    "d48": dict(no_attention_layers="", num_layers=48, model_dim=1600, num_heads=25, head_dim=64,
+                seq_len=16 * 1024, batch_size=32, num_iterations=10000, lr_hidden=0.02, lr_embed=0.15),
 }
 
 # Fields that never change the training math: a resumed run may differ in these and still be the same run.
@@ -173,7 +176,8 @@ def layer_list(flag: str, value: str, num_layers: int) -> tuple[int, ...]:
 def model_config(cfg: TrainConfig) -> GPTConfig:
     return GPTConfig(vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, model_dim=cfg.model_dim,
                      num_heads=cfg.num_heads, head_dim=cfg.head_dim, num_value_embeds=cfg.num_value_embeds,
-                     logit_softcap=cfg.logit_softcap, block_size=BLOCK_SIZE,
+                     logit_softcap=cfg.logit_softcap, block_size=BLOCK_SIZE, value_residual=cfg.value_residual,
+                     attn_gate=cfg.attn_gate,
                      no_mlp_layers=layer_list("no_mlp_layers", cfg.no_mlp_layers, cfg.num_layers),
                      no_attention_layers=layer_list("no_attention_layers", cfg.no_attention_layers, cfg.num_layers))
 

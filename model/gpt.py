@@ -29,7 +29,7 @@ class GPTConfig:
     # cut the steps by 7%); record #28 writes it as 30 * sigmoid(logits / 7.5), the same softmax
     logit_softcap: float = 15.0
     num_value_embeds: int = 3  # value embeddings shared by the first and last layers (record #28); 0 disables
-    value_residual: bool = True  # mix the first layer's values into every later layer's (Zhou et al. 2024)
+    value_residual: bool = False  # mix the first layer's values into every later one's (Zhou et al. 2024); not in #28
     rope_base: float = 1024.0  # slowest rotary frequency is 1/rope_base (modded-nanogpt), not RoPE's 10,000
     attn_scale: float = 0.12  # softmax scale instead of 1/sqrt(head_dim): modded-nanogpt, tuned with QK-norm
     block_size: int = 128  # FlexAttention tile in tokens; the sequence length must be a multiple of it
@@ -37,10 +37,10 @@ class GPTConfig:
     # layers using the short window (half the long one); None = modded-nanogpt's 2025 long/short pattern:
     # long on every 4th layer and on the last, short elsewhere
     short_window_layers: tuple[int, ...] | None = None
-    # blocks without an MLP / without attention: record #28 drops layer 0's MLP (record of 2025-05-09) and layer
-    # 7's attention, saving their FLOPs at no measured loss there; empty = every block complete
+    # blocks without an MLP / without attention (record #28 drops layer 7's attention); empty = all complete
     no_mlp_layers: tuple[int, ...] = ()
     no_attention_layers: tuple[int, ...] = ()
+    attn_gate: bool = True  # record #28's sparse per-head attention output gate (model/layers.py)
 
     def __post_init__(self):
         for name in ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size"):
@@ -113,7 +113,8 @@ class GPT(nn.Module):
                                            for _ in range(config.num_value_embeds)])
         self.blocks = nn.ModuleList([Block(D, config.num_heads, config.head_dim, config.mlp_ratio, config.attn_scale,
                                            attention=i not in config.no_attention_layers,
-                                           mlp=i not in config.no_mlp_layers) for i in range(L)])
+                                           mlp=i not in config.no_mlp_layers, attn_gate=config.attn_gate)
+                                     for i in range(L)])
         # U-net skips (modded-nanogpt): block i < L//2 feeds block L-1-i through a learned weight; a one-block
         # model has none (an empty parameter would never get a gradient)
         self.skip_weights = nn.Parameter(torch.empty(L // 2)) if L >= 2 else None

@@ -18,6 +18,9 @@ from torch.nn.attention.flex_attention import BlockMask
 from model.attention import attend
 
 
+GATE_FRACTION = 64  # the attention gate reads the first D / 64 channels (record #28's dampen_factor)
+
+
 def norm(x: Tensor) -> Tensor:
     """RMSNorm without a learned gain (modded-nanogpt): one less parameter group, no measurable loss."""
     return F.rms_norm(x, (x.size(-1),))
@@ -46,7 +49,7 @@ def _uniform_(w: Tensor, std: float) -> None:
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, head_dim: int, scale: float):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, scale: float, gate: bool = True):
         super().__init__()
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         attn_dim = num_heads * head_dim
@@ -55,12 +58,18 @@ class Attention(nn.Module):
         self.proj_w = nn.Parameter(torch.empty(dim, attn_dim))
         # weights of (own values, first layer's values, value embedding) in this layer's values
         self.value_lambdas = nn.Parameter(torch.empty(3))
+        # sparse attention gate (record #28, modded-nanogpt 2025-08-23): each head's output is scaled by
+        # sigmoid(w_h . x[:G]), read from only the first G = D / 64 channels of the block's normed input, so a head
+        # can switch itself off for a token at almost no cost (the gated attention of Qiu et al. 2025, made sparse)
+        self.gate_w = nn.Parameter(torch.empty(num_heads, max(1, dim // GATE_FRACTION))) if gate else None
 
     def init_weights(self) -> None:
         _uniform_(self.qkv_w, 0.5 * self.qkv_w.size(-1) ** -0.5)  # std 0.5 / sqrt(fan_in): modded-nanogpt
         nn.init.zeros_(self.proj_w)  # zero-init output projection (modded-nanogpt): each block starts as identity
         # 0.5 each: value residual's mix (Zhou et al. 2024) and the value-embedding records' starting weights
         nn.init.constant_(self.value_lambdas, 0.5)
+        if self.gate_w is not None:
+            nn.init.zeros_(self.gate_w)  # every gate starts at sigmoid(0) = 1/2, as in record #28
 
     def forward(self, x_BTD: Tensor, v_first_BTHd: Tensor | None, ve_BTA: Tensor | None,
                 cos_TP: Tensor, sin_TP: Tensor, mask: BlockMask | Tensor) -> tuple[Tensor, Tensor]:
@@ -79,22 +88,29 @@ class Attention(nn.Module):
         if ve_BTA is not None:  # value embeddings (modded-nanogpt record of 2024-11)
             v_BTHd = v_BTHd + embed * ve_BTA.view(B, T, H, d)
         y_BHTd = attend(q_BTHd.transpose(1, 2), k_BTHd.transpose(1, 2), v_BTHd.transpose(1, 2), mask, self.scale)
-        y_BTA = y_BHTd.transpose(1, 2).reshape(B, T, H * d)
+        y_BTHd = y_BHTd.transpose(1, 2)
+        if self.gate_w is not None:
+            gate_BTH = torch.sigmoid(F.linear(x_BTD[..., :self.gate_w.size(1)], self.gate_w.type_as(x_BTD)))
+            y_BTHd = y_BTHd * gate_BTH[..., None]
+        y_BTA = y_BTHd.reshape(B, T, H * d)
         return F.linear(y_BTA, self.proj_w.type_as(y_BTA)), v_BTHd
 
 
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        self.fc_w = nn.Parameter(torch.empty(hidden_dim, dim))
+        # fc_w is stored (D, F), input side first, like record #28's c_fc: both MLP matrices then share one shape
+        # (one Muon stack), and Muon's tall-matrix scale max(1, rows / cols) ** 0.5 is 1 for it, as in the record
+        # whose learning rate we use (stored (F, D) it would get twice the step)
+        self.fc_w = nn.Parameter(torch.empty(dim, hidden_dim))
         self.proj_w = nn.Parameter(torch.empty(dim, hidden_dim))
 
     def init_weights(self) -> None:
-        _uniform_(self.fc_w, 0.5 * self.fc_w.size(-1) ** -0.5)  # std 0.5 / sqrt(fan_in): modded-nanogpt
+        _uniform_(self.fc_w, 0.5 * self.fc_w.size(0) ** -0.5)  # std 0.5 / sqrt(fan_in): modded-nanogpt
         nn.init.zeros_(self.proj_w)  # zero-init output projection (modded-nanogpt)
 
     def forward(self, x_BTD: Tensor) -> Tensor:
-        h_BTF = F.linear(x_BTD, self.fc_w.type_as(x_BTD))
+        h_BTF = x_BTD @ self.fc_w.type_as(x_BTD)
         h_BTF = F.relu(h_BTF).square()  # ReLU² (So et al. 2021, Primer)
         return F.linear(h_BTF, self.proj_w.type_as(h_BTF))
 
@@ -104,10 +120,10 @@ class Block(nn.Module):
     share one compiled graph per (v_first, ve) presence pattern."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, mlp_ratio: int, attn_scale: float,
-                 attention: bool = True, mlp: bool = True):
+                 attention: bool = True, mlp: bool = True, attn_gate: bool = True):
         super().__init__()
-        # a block may go without its attention or its MLP (record #28: none in layer 7, none in layer 0)
-        self.attn = Attention(dim, num_heads, head_dim, attn_scale) if attention else None
+        # a block may go without its attention or its MLP (record #28: no attention in layer 7)
+        self.attn = Attention(dim, num_heads, head_dim, attn_scale, attn_gate) if attention else None
         self.mlp = MLP(dim, mlp_ratio * dim) if mlp else None
         # weights of (residual stream, normed embedding x0): the x0 shortcut of modded-nanogpt
         self.lambdas = nn.Parameter(torch.empty(2))

@@ -86,8 +86,9 @@ def test_param_groups_cover_every_parameter_once():
     ids = [id(p) for g in groups for p in g["params"]]
     assert sorted(ids) == sorted(id(p) for p in model.parameters())
     hidden = groups[0]["params"]
-    assert len(hidden) == 4 * TINY.num_layers and all(p.ndim >= 2 for p in hidden)
-    assert {tuple(p.shape) for p in hidden} == {(3, 64, 64), (64, 64), (256, 64), (64, 256)}
+    assert len(hidden) == 5 * TINY.num_layers and all(p.ndim >= 2 for p in hidden)
+    # qkv, attention output, attention gate (2 heads x 64 / 64 inputs), MLP in and out (both stored (D, F))
+    assert [tuple(p.shape) for p in hidden[:5]] == [(3, 64, 64), (64, 64), (2, 1), (64, 256), (64, 256)]
     assert all(p.ndim <= 1 for p in groups[4]["params"])
     no_ve = tiny_model(dataclasses.replace(TINY, num_value_embeds=0))
     assert "value_embed" not in [g["name"] for g in no_ve.param_groups()]
@@ -96,8 +97,9 @@ def test_param_groups_cover_every_parameter_once():
 def test_default_config_sizes():
     with torch.device("meta"):
         model = GPT(GPTConfig())
-    # 5 vocab x 768 tables (embed, 3 value embeds, head) + 12 blocks x (12 * 768^2 matrices + 5 scalars) + 6 skips
-    assert model.num_params() == 5 * 50304 * 768 + 12 * (12 * 768 ** 2 + 5) + 6 == 278_102_082
+    # 5 vocab x 768 tables (embed, 3 value embeds, head) + 12 blocks x (12 * 768^2 matrices + 6 x 12 gate weights
+    # + 5 scalars) + 6 skips (GPTConfig keeps every block; TrainConfig drops layer 7's attention)
+    assert model.num_params() == 5 * 50304 * 768 + 12 * (12 * 768 ** 2 + 72 + 5) + 6 == 278_102_946
     # 6 * N_matmul (12 * 12 * 768^2 + 50304 * 768 = 123,568,128) = 741,408,768; attention at T = window = 1024:
     # 4 long layers 12 * 768 * 512.5 + 8 short layers (window 512) 12 * 768 * 384.25 = 47,222,784
     assert flops_per_token(GPTConfig(), 1024, 1024) == 788_631_552
@@ -239,6 +241,27 @@ def test_blocks_without_mlp_or_attention_equal_zeroed_ones():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in partial.parameters())
 
 
+def test_zero_attention_gate_halves_each_head():
+    """Record #28's gate starts at sigmoid(0) = 1/2 for every head and token: the gated model equals an ungated one
+    whose attention output projections are halved (exactly: scaling by 1/2 is exact in floating point). The gate
+    then learns: its weights get a gradient."""
+    gated = tiny_model(random=True)
+    ungated = tiny_model(dataclasses.replace(TINY, attn_gate=False), random=True)
+    state = {k: v for k, v in gated.state_dict().items() if "gate_w" not in k}
+    ungated.load_state_dict(state)
+    with torch.no_grad():
+        for block in gated.blocks:
+            block.attn.gate_w.zero_()
+        for block in ungated.blocks:
+            block.attn.proj_w.mul_(0.5)
+    inputs, targets = batch()
+    window = torch.tensor(64)
+    torch.testing.assert_close(gated(inputs, targets, window, reduction="none"),
+                               ungated(inputs, targets, window, reduction="none"), rtol=0, atol=0)
+    gated(inputs, targets, window).backward()
+    assert all(block.attn.gate_w.grad.abs().sum() > 0 for block in gated.blocks)
+
+
 def test_dropped_parts_leave_the_flops_count():
     A, D = TINY.num_heads * TINY.head_dim, TINY.model_dim
     mlp0 = 6 * 2 * TINY.mlp_ratio * D * D
@@ -249,6 +272,7 @@ def test_dropped_parts_leave_the_flops_count():
 
 def test_partial_block_config_errors():
     with pytest.raises(ValueError, match="layer 0 must keep its attention"):
-        GPTConfig(no_attention_layers=(0,))
+        GPTConfig(value_residual=True, no_attention_layers=(0,))
+    GPTConfig(no_attention_layers=(0,))  # fine without the value residual
     with pytest.raises(ValueError, match="no_mlp_layers"):
         GPTConfig(num_layers=4, num_value_embeds=1, no_mlp_layers=(4,))

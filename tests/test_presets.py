@@ -11,15 +11,15 @@ from train_gpt2 import PRESETS, TrainConfig, derive, model_config
 GPT2_SHAPES = {"d12": (12, 768, 6), "d24": (24, 1024, 16), "d36": (36, 1280, 20), "d48": (48, 1600, 25)}
 
 # Computed once by hand with V = 50,304, three value embeddings of width A = D, blocks of 12 D^2 weights + 5
-# scalars, and L // 2 skip weights:
-#   d12: 5 x 50,304 x 768  + 12 x (12 x 768^2  + 5) +  6 =   278,102,082, less layer 0's MLP (8 x 768^2) and
-#        layer 7's attention (4 x 768^2 + 3 value weights), as in record #28:  271,024,191
-#   d24: 5 x 50,304 x 1024 + 24 x (12 x 1024^2 + 5) + 12 =   559,546,500
-#   d36: 5 x 50,304 x 1280 + 36 x (12 x 1280^2 + 5) + 18 = 1,029,734,598
-#   d48: 5 x 50,304 x 1600 + 48 x (12 x 1600^2 + 5) + 24 = 1,876,992,264
-# The blocks alone (85M, 302M, 708M, 1,475M) are GPT-2's non-embedding counts; the names 124M ... 1.5B count
-# GPT-2's tied embedding once, while this model adds an untied head and three value embeddings.
-EXPECTED_PARAMS = {"d12": 271_024_191, "d24": 559_546_500, "d36": 1_029_734_598, "d48": 1_876_992_264}
+# scalars + an attention gate of H x D/64 weights, and L // 2 skip weights:
+#   d12: 5 x 50,304 x 768  + 12 x (12 x 768^2  + 5 + 6 x 12) +  6 = 278,102,946, less layer 7's attention
+#        (4 x 768^2 + 3 value weights + 72 gate weights), as in record #28:               275,743,575
+#   d24: 5 x 50,304 x 1024 + 24 x (12 x 1024^2 + 5 + 16 x 16) + 12 =   559,552,644
+#   d36: 5 x 50,304 x 1280 + 36 x (12 x 1280^2 + 5 + 20 x 20) + 18 = 1,029,748,998
+#   d48: 5 x 50,304 x 1600 + 48 x (12 x 1600^2 + 5 + 25 x 25) + 24 = 1,877,022,264
+# The blocks' square matrices alone (85M, 302M, 708M, 1,475M) are GPT-2's non-embedding counts; the names 124M ...
+# 1.5B count GPT-2's tied embedding once, while this model adds an untied head and three value embeddings.
+EXPECTED_PARAMS = {"d12": 275_743_575, "d24": 559_552_644, "d36": 1_029_748_998, "d48": 1_877_022_264}
 
 
 def formula(cfg: TrainConfig) -> int:
@@ -27,10 +27,11 @@ def formula(cfg: TrainConfig) -> int:
     V, D, L = cfg.vocab_size, cfg.model_dim, cfg.num_layers
     A = cfg.num_heads * cfg.head_dim  # attention width
     embeddings = V * D + cfg.num_value_embeds * V * A + V * D  # token embedding, value embeddings, untied head
-    matrices = 3 * A * D + D * A + 2 * 4 * D * D  # q, k, v; attention output; MLP in and out (4x wide)
+    gate = cfg.num_heads * (D // 64)  # attention gate: one weight per head and input channel
+    matrices = 3 * A * D + D * A + gate + 2 * 4 * D * D  # q, k, v; attention output; gate; MLP in and out
     scalars = 3 + 2  # value mixing weights (own, first layer, value embedding); residual / x0 mix
     dropped = (len(model_config(cfg).no_mlp_layers) * 2 * 4 * D * D
-               + len(model_config(cfg).no_attention_layers) * (3 * A * D + D * A + 3))
+               + len(model_config(cfg).no_attention_layers) * (3 * A * D + D * A + gate + 3))
     return embeddings + L * (matrices + scalars) + L // 2 - dropped  # + U-net skip weights
 
 
@@ -46,7 +47,8 @@ def test_preset_shape_and_parameter_count(name):
     block_matrices = sum(p.numel() for block in model.blocks for p in block.parameters() if p.ndim >= 2)
     mcfg = model_config(cfg)
     complete = cfg.num_layers - len(mcfg.no_mlp_layers) * 8 / 12 - len(mcfg.no_attention_layers) * 4 / 12
-    assert block_matrices == complete * 12 * cfg.model_dim ** 2
+    gates = (cfg.num_layers - len(mcfg.no_attention_layers)) * cfg.num_heads * (cfg.model_dim // 64)
+    assert block_matrices == complete * 12 * cfg.model_dim ** 2 + gates
 
 
 @pytest.mark.parametrize("name", list(GPT2_SHAPES))
