@@ -61,7 +61,7 @@ class TrainConfig:
     cooldown_frac: float = 0.45  # last fraction of steps over which the learning rate decays (record #28)
     final_lr_frac: float = 0.1  # learning rate at the last step, as a fraction of the peak (record #28)
     lr_hidden: float = 0.05  # Muon learning rate for the hidden matrices (record #28)
-    muon_method: str = "polar_express"  # Muon's orthogonalisation: polar_express (Amsel et al. 2025) or jordan
+    muon_method: str = "jordan"  # Muon's orthogonalisation: jordan (Muon's quintic) or polar_express (optim/muon.py)
     lr_embed: float = 0.6  # Adam learning rate for token and value embeddings (record #28: 0.008 x lr_mul 75)
     lr_head: float = 0.008  # Adam learning rate for the LM head (record #28)
     lr_scalar: float = 0.04  # Adam learning rate for the mixing scalars (record #28)

@@ -51,7 +51,7 @@ class MuonAdam:
 
     def __init__(self, param_groups: list[dict], *, lr: dict[str, float],
                  adam_betas: tuple[float, float] = (0.8, 0.95), adam_eps: float = 1e-10,
-                 rank: int = 0, world_size: int = 1, compile: bool = False, muon_method: str = "polar_express"):
+                 rank: int = 0, world_size: int = 1, compile: bool = False, muon_method: str = "jordan"):
         if muon_method not in ITERATIONS:
             raise ValueError(f"--muon_method={muon_method!r}: use one of {sorted(ITERATIONS)}")
         seen: set[int] = set()
