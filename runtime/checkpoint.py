@@ -105,7 +105,13 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
     """The trained GPT from a checkpoint (eval mode, kernels chosen for `device`) and the training config it
     was trained with, for sampling and evaluation."""
     state = load_checkpoint(path, map_location=device)
-    model = GPT(GPTConfig(**state["model_config"])).to(device)
-    model.load_state_dict(state["model"])
+    try:
+        model = GPT(GPTConfig(**state["model_config"])).to(device)
+        model.load_state_dict(state["model"])
+    except (TypeError, RuntimeError) as e:  # unknown config fields; missing, extra or reshaped weights
+        first = str(e).strip().splitlines()[0]
+        raise UserError(f"{path}: the checkpoint's model does not fit this version of the code ({first}); it was "
+                        f"written by another gpt-speedrun version: check out the git_commit on the versions line of "
+                        f"its run folder's log.txt to sample or evaluate it") from None
     use_device_paths(model, device)
     return model.eval(), state["config"]

@@ -9,6 +9,8 @@ from data.shard import BOS_ID
 from data.tokenizer import get_encoding
 from helpers import random_gpt
 from model.gpt import GPT
+from runtime.checkpoint import load_model
+from runtime.errors import UserError
 from train_gpt2 import PRESETS, TrainConfig, model_config
 
 # the smoke model with a 128-token training sequence, so a long prompt gets cropped
@@ -99,3 +101,18 @@ def test_cli_prints_the_prompt_and_its_continuation(checkpoint, capsys):
 def test_bad_flag_values_name_the_flag(checkpoint):
     with pytest.raises(ValueError, match="--temperature=-1.0 must be at least 0"):
         sample.main(["--checkpoint", str(checkpoint), "--temperature", "-1"])
+
+
+@pytest.mark.parametrize("change", ["reshaped weight", "unknown config field"])
+def test_checkpoint_of_another_model_version_is_a_user_error(checkpoint, tmp_path, change):
+    """A checkpoint written before a model change (here: fc_w stored the other way round, or a config field this
+    version lacks) is refused with the way out, not a state_dict traceback."""
+    state = torch.load(checkpoint, weights_only=False)
+    if change == "reshaped weight":
+        state["model"]["blocks.0.mlp.fc_w"] = state["model"]["blocks.0.mlp.fc_w"].t().contiguous()
+    else:
+        state["model_config"]["rotary_kind"] = "yarn"
+    path = tmp_path / "ckpt_000002.pt"
+    torch.save(state, path)
+    with pytest.raises(UserError, match="does not fit this version of the code .* check out the git_commit"):
+        load_model(str(path), torch.device("cpu"))
