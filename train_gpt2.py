@@ -20,6 +20,7 @@ from data.loader import TrainLoader, ValLoader
 from data.prepare import ensure_sample_shards
 from data.shard import VOCAB_SIZE
 from model.gpt import GPT, GPTConfig
+from optim.muon import ITERATIONS
 from optim.optimizer import MuonAdam
 from optim.schedule import attention_window, lr_multiplier, muon_momentum
 from runtime import checkpoint, dist
@@ -60,6 +61,7 @@ class TrainConfig:
     cooldown_frac: float = 0.45  # last fraction of steps over which the learning rate decays (record #28)
     final_lr_frac: float = 0.1  # learning rate at the last step, as a fraction of the peak (record #28)
     lr_hidden: float = 0.05  # Muon learning rate for the hidden matrices (record #28)
+    muon_method: str = "polar_express"  # Muon's orthogonalisation: polar_express (Amsel et al. 2025) or jordan
     lr_embed: float = 0.6  # Adam learning rate for token and value embeddings (record #28: 0.008 x lr_mul 75)
     lr_head: float = 0.008  # Adam learning rate for the LM head (record #28)
     lr_scalar: float = 0.04  # Adam learning rate for the mixing scalars (record #28)
@@ -142,6 +144,8 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
     if cfg.vocab_size < VOCAB_SIZE:
         raise ValueError(f"--vocab_size={cfg.vocab_size} is smaller than the shards' GPT-2 vocabulary of "
                          f"{VOCAB_SIZE} ids; keep the default --vocab_size={TrainConfig.vocab_size}")
+    if cfg.muon_method not in ITERATIONS:
+        raise ValueError(f"--muon_method={cfg.muon_method!r}: use one of {sorted(ITERATIONS)}")
     for name in ("lr_hidden", "lr_embed", "lr_head", "lr_scalar"):
         # the optimizer holds learning rates in float32 tensors: a larger value cannot even be stored
         if not 0 <= getattr(cfg, name) <= torch.finfo(torch.float32).max:
@@ -264,7 +268,8 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
         return MuonAdam(model.param_groups(), lr={"hidden": cfg.lr_hidden, "embed": cfg.lr_embed,
                                                   "value_embed": cfg.lr_embed, "head": cfg.lr_head,
                                                   "scalar": cfg.lr_scalar},
-                        rank=rt.rank, world_size=rt.world_size, compile=cfg.compile and cuda)
+                        rank=rt.rank, world_size=rt.world_size, compile=cfg.compile and cuda,
+                        muon_method=cfg.muon_method)
 
     optimizer = new_optimizer()
     log.header(cfg, mcfg, device)

@@ -9,27 +9,39 @@ decides which matrices each rank orthogonalises; nothing here communicates.
 """
 import torch
 
-# Quintic Newton–Schulz coefficients tuned by Keller Jordan for Muon: they push small singular values up fast
-# at the price of converging to a band around 1 (about 0.7..1.1) rather than to exactly 1.
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_STEPS = 5  # as in Muon and every speedrun record
+# Quintic iterations X <- a X + b (X X^T) X + c (X X^T)^2 X, five steps, and the factor by which the Frobenius
+# norm is inflated first (a margin that keeps every singular value below 1, where the polynomials are designed):
+# - "jordan": Keller Jordan's coefficients for Muon, the same every step; they push small singular values up
+#   fast at the price of converging to a band around 1 (about 0.7..1.2) rather than to 1.
+# - "polar_express": Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932), a different optimal
+#   polynomial per step, so the result lands much closer to the polar factor for the same five steps; these are
+#   modded-nanogpt's coefficients (num_iters=5, safety_factor=2e-2, cushion=2) with its 1.02 norm margin.
+ITERATIONS: dict[str, tuple[tuple[tuple[float, float, float], ...], float]] = {
+    "jordan": (((3.4445, -4.7750, 2.0315),) * 5, 1.0),
+    "polar_express": (((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                       (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                       (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                       (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                       (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)), 1.02),
+}
 NS_EPS = 1e-7  # keeps the Frobenius normalisation finite for an all-zero input (e.g. rank padding)
 
 
-def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
+def newton_schulz(g: torch.Tensor, method: str = "polar_express") -> torch.Tensor:
     """Approximate polar factor of each matrix in `g` (..., rows, cols), computed and returned in bf16.
 
     Dividing by the Frobenius norm puts every singular value in [0, 1], where the iteration converges.
-    Tall inputs are transposed so the Gram matrix X X^T is the smaller of the two.
+    Tall inputs are transposed so the Gram matrix X X^T is the smaller of the two. `method` names the
+    coefficients in ITERATIONS.
     """
     assert g.ndim >= 2, f"newton_schulz needs (..., rows, cols), got shape {tuple(g.shape)}"
-    a, b, c = NS_COEFFICIENTS
+    coefficients, margin = ITERATIONS[method]
     x = g.bfloat16()
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + NS_EPS)
-    for _ in range(steps):
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * margin + NS_EPS)
+    for a, b, c in coefficients:
         gram = x @ x.mT
         poly = b * gram + c * (gram @ gram)
         x = a * x + poly @ x

@@ -1,9 +1,11 @@
 """MuonAdam: the one optimizer object. It owns the parameter state and all gradient communication."""
+import functools
+
 import torch
 import torch.distributed as dist
 
 from optim.adam import adam_update
-from optim.muon import apply_updates, nesterov_momentum, newton_schulz, shape_scale
+from optim.muon import ITERATIONS, apply_updates, nesterov_momentum, newton_schulz, shape_scale
 
 
 class _MuonBucket:
@@ -49,7 +51,9 @@ class MuonAdam:
 
     def __init__(self, param_groups: list[dict], *, lr: dict[str, float],
                  adam_betas: tuple[float, float] = (0.8, 0.95), adam_eps: float = 1e-10,
-                 rank: int = 0, world_size: int = 1, compile: bool = False):
+                 rank: int = 0, world_size: int = 1, compile: bool = False, muon_method: str = "polar_express"):
+        if muon_method not in ITERATIONS:
+            raise ValueError(f"--muon_method={muon_method!r}: use one of {sorted(ITERATIONS)}")
         seen: set[int] = set()
         for group in param_groups:
             assert group["kind"] in ("muon", "adam"), f"group {group['name']!r}: unknown kind {group['kind']!r}"
@@ -99,7 +103,7 @@ class MuonAdam:
         on_cuda = device.type == "cuda"
         wrap = (lambda f: torch.compile(f, dynamic=False)) if compile and on_cuda else (lambda f: f)
         self._nesterov = wrap(nesterov_momentum)
-        self._orthogonalize = wrap(newton_schulz)
+        self._orthogonalize = wrap(functools.partial(newton_schulz, method=muon_method))
         self._apply = wrap(apply_updates)
         self._adam_update = wrap(adam_update)
 

@@ -270,6 +270,9 @@ def test_25_bad_id_in_the_validation_shard(corpus):
     ("lr_embed", 1e39, "--lr_embed=1e+39 must be a number from 0 to 3.4e38"),
     ("lr_hidden", math.nan, "--lr_hidden=nan must be a number"),
     ("lr_head", -0.1, "--lr_head=-0.1 must be a number"),
+    ("muon_method", "newton", "--muon_method='newton': use one of ['jordan', 'polar_express']"),
+    ("no_attention_layers", "seven", "--no_attention_layers='seven' must be comma-separated layer numbers"),
+    ("no_mlp_layers", "12", "--no_mlp_layers='12' names a layer outside 0..11 (--num_layers=12)"),
 ])
 def test_impossible_values_are_refused(flag, value, words):
     cfg = train_gpt2.TrainConfig(**{flag: value})
