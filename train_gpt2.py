@@ -70,6 +70,8 @@ class TrainConfig:
     momentum_warmup_steps: int = 300  # steps of the Muon momentum warm-up (the records' 300)
     window_min_tokens: int = 128  # attention window at step 0 (one block), grown linearly during training
     window_max_tokens: int = 1792  # attention window at the last step (record #28's long window)
+    # record #28 used 0,4,7,11 (its layer 7 has no attention, so it had 3 long layers)
+    long_window_layers: str = "auto"  # long-window layers (others: half); auto = every 4th and the last: 0,4,8,11
     # run
     val_loss_every: int = 125  # steps between validations (0 = only at the start and the end)
     log_every: int = 1  # steps between train-loss lines; each line syncs the GPU once
@@ -164,24 +166,32 @@ def check_resume(cfg: TrainConfig) -> None:
                         f"would change the math: {'; '.join(differs)}. Pass the same values to resume")
 
 
-def layer_list(flag: str, value: str, num_layers: int) -> tuple[int, ...]:
-    """'0,7' -> (0, 7); a ValueError names the flag when an entry is not a layer index."""
+def layer_list(flag: str, value: str, num_layers: int, fallback: str = "''") -> tuple[int, ...]:
+    """'0,7' -> (0, 7); a ValueError names the flag, and the `fallback` value, when an entry is not a layer index."""
     try:
         layers = tuple(sorted({int(v) for v in value.split(",") if v.strip()}))
     except ValueError:
         raise ValueError(f"--{flag}={value!r} must be comma-separated layer numbers, e.g. --{flag}=0,7, "
-                         f"or '' for none") from None
+                         f"or --{flag}={fallback}") from None
     if not all(0 <= i < num_layers for i in layers):
         raise ValueError(f"--{flag}={value!r} names a layer outside 0..{num_layers - 1} (--num_layers="
-                         f"{num_layers}); pass --{flag}='' for none")
+                         f"{num_layers}); pass layers inside it, or --{flag}={fallback}")
     return layers
+
+
+def short_window_layers(cfg: TrainConfig) -> tuple[int, ...] | None:
+    """The layers not named by --long_window_layers, or None for the model's default pattern ("auto")."""
+    if cfg.long_window_layers == "auto":
+        return None
+    long = layer_list("long_window_layers", cfg.long_window_layers, cfg.num_layers, fallback="auto")
+    return tuple(i for i in range(cfg.num_layers) if i not in long)
 
 
 def model_config(cfg: TrainConfig) -> GPTConfig:
     return GPTConfig(vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, model_dim=cfg.model_dim,
                      num_heads=cfg.num_heads, head_dim=cfg.head_dim, num_value_embeds=cfg.num_value_embeds,
                      logit_softcap=cfg.logit_softcap, block_size=BLOCK_SIZE, value_residual=cfg.value_residual,
-                     attn_gate=cfg.attn_gate,
+                     attn_gate=cfg.attn_gate, short_window_layers=short_window_layers(cfg),
                      no_mlp_layers=layer_list("no_mlp_layers", cfg.no_mlp_layers, cfg.num_layers),
                      no_attention_layers=layer_list("no_attention_layers", cfg.no_attention_layers, cfg.num_layers))
 

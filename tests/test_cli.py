@@ -5,7 +5,7 @@ import pytest
 
 from runtime.cli import parse_config
 from runtime.errors import UserError
-from train_gpt2 import PRESETS, TrainConfig, derive
+from train_gpt2 import PRESETS, TrainConfig, derive, model_config
 
 
 def test_defaults_are_the_record_run():
@@ -64,3 +64,15 @@ def test_seq_len_must_be_a_multiple_of_the_block():
     with pytest.raises(ValueError, match=r"--seq_len=1000 must be a multiple of the attention block size 128; "
                                          r"try --seq_len=896"):
         derive(TrainConfig(seq_len=1000), world_size=1)
+
+
+def test_layer_lists_reach_the_model():
+    """--long_window_layers, --no_attention_layers and --no_mlp_layers become the model config's layer sets;
+    "auto" keeps the model's own long/short pattern (every 4th layer and the last are long)."""
+    default = model_config(parse_config(TrainConfig, [], PRESETS))
+    assert [i for i in range(12) if not default.is_short_window(i)] == [0, 4, 8, 11]
+    assert (default.no_attention_layers, default.no_mlp_layers) == ((7,), ())
+    record = model_config(parse_config(TrainConfig, ["--long_window_layers=0,4,7,11", "--no_attention_layers=",
+                                                     "--no_mlp_layers=0"], PRESETS))
+    assert [i for i in range(12) if not record.is_short_window(i)] == [0, 4, 7, 11]
+    assert (record.no_attention_layers, record.no_mlp_layers) == ((), (0,))

@@ -271,8 +271,12 @@ def test_25_bad_id_in_the_validation_shard(corpus):
     ("lr_hidden", math.nan, "--lr_hidden=nan must be a number"),
     ("lr_head", -0.1, "--lr_head=-0.1 must be a number"),
     ("muon_method", "newton", "--muon_method='newton': use one of ['jordan', 'polar_express']"),
-    ("no_attention_layers", "seven", "--no_attention_layers='seven' must be comma-separated layer numbers"),
-    ("no_mlp_layers", "12", "--no_mlp_layers='12' names a layer outside 0..11 (--num_layers=12)"),
+    ("no_attention_layers", "seven", "--no_attention_layers='seven' must be comma-separated layer numbers, e.g. "
+     "--no_attention_layers=0,7, or --no_attention_layers=''"),
+    ("no_mlp_layers", "12", "--no_mlp_layers='12' names a layer outside 0..11 (--num_layers=12); pass layers inside "
+     "it, or --no_mlp_layers=''"),
+    ("long_window_layers", "0;4", "--long_window_layers='0;4' must be comma-separated layer numbers, e.g. "
+     "--long_window_layers=0,7, or --long_window_layers=auto"),
 ])
 def test_impossible_values_are_refused(flag, value, words):
     cfg = train_gpt2.TrainConfig(**{flag: value})
