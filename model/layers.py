@@ -56,7 +56,8 @@ class Attention(nn.Module):
         # q, k, v as one (3, A, D) parameter: one matmul in forward; Muon orthogonalises each of the 3 matrices.
         self.qkv_w = nn.Parameter(torch.empty(3, attn_dim, dim))
         self.proj_w = nn.Parameter(torch.empty(dim, attn_dim))
-        # weights of (own values, first layer's values, value embedding) in this layer's values
+        # weights of (own values, first layer's values, value embedding) in this layer's values; the second is used
+        # only with the value residual (GPTConfig.value_residual), the third only in layers with a value embedding
         self.value_lambdas = nn.Parameter(torch.empty(3))
         # sparse attention gate (record #28, modded-nanogpt 2025-08-23): each head's output is scaled by
         # sigmoid(w_h . x[:G]), read from only the first G = D / 64 channels of the block's normed input, so a head
@@ -117,7 +118,7 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """x0 mix, attention, MLP. Everything a layer needs arrives as a tensor (or None, or the mask), so all blocks
-    share one compiled graph per (v_first, ve) presence pattern."""
+    share one compiled graph per presence pattern of (v_first, ve, attention, MLP)."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, mlp_ratio: int, attn_scale: float,
                  attention: bool = True, mlp: bool = True, attn_gate: bool = True):
