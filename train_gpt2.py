@@ -20,7 +20,7 @@ from data.loader import TrainLoader, ValLoader
 from data.prepare import ensure_sample_shards
 from data.shard import VOCAB_SIZE
 from model.gpt import GPT, GPTConfig
-from optim.muon import ITERATIONS
+from optim.muon import check_method
 from optim.optimizer import MuonAdam
 from optim.schedule import attention_window, lr_multiplier, muon_momentum
 from runtime import checkpoint, dist
@@ -146,8 +146,7 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
     if cfg.vocab_size < VOCAB_SIZE:
         raise ValueError(f"--vocab_size={cfg.vocab_size} is smaller than the shards' GPT-2 vocabulary of "
                          f"{VOCAB_SIZE} ids; keep the default --vocab_size={TrainConfig.vocab_size}")
-    if cfg.muon_method not in ITERATIONS:
-        raise ValueError(f"--muon_method={cfg.muon_method!r}: use one of {sorted(ITERATIONS)}")
+    check_method(cfg.muon_method)
     for name in ("lr_hidden", "lr_embed", "lr_head", "lr_scalar"):
         # the optimizer holds learning rates in float32 tensors: a larger value cannot even be stored
         if not 0 <= getattr(cfg, name) <= torch.finfo(torch.float32).max:

@@ -29,6 +29,12 @@ ITERATIONS: dict[str, tuple[tuple[tuple[float, float, float], ...], float]] = {
 NS_EPS = 1e-7  # keeps the Frobenius normalisation finite for an all-zero input (e.g. rank padding)
 
 
+def check_method(method: str) -> None:
+    """A ValueError naming --muon_method when `method` is not a key of ITERATIONS."""
+    if method not in ITERATIONS:
+        raise ValueError(f"--muon_method={method!r}: use one of {sorted(ITERATIONS)}")
+
+
 def newton_schulz(g: torch.Tensor, method: str = "jordan") -> torch.Tensor:
     """Approximate polar factor of each matrix in `g` (..., rows, cols), computed and returned in bf16.
 

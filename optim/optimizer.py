@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from optim.adam import adam_update
-from optim.muon import ITERATIONS, apply_updates, nesterov_momentum, newton_schulz, shape_scale
+from optim.muon import apply_updates, check_method, nesterov_momentum, newton_schulz, shape_scale
 
 
 class _MuonBucket:
@@ -52,8 +52,7 @@ class MuonAdam:
     def __init__(self, param_groups: list[dict], *, lr: dict[str, float],
                  adam_betas: tuple[float, float] = (0.8, 0.95), adam_eps: float = 1e-10,
                  rank: int = 0, world_size: int = 1, compile: bool = False, muon_method: str = "jordan"):
-        if muon_method not in ITERATIONS:
-            raise ValueError(f"--muon_method={muon_method!r}: use one of {sorted(ITERATIONS)}")
+        check_method(muon_method)
         seen: set[int] = set()
         for group in param_groups:
             assert group["kind"] in ("muon", "adam"), f"group {group['name']!r}: unknown kind {group['kind']!r}"
