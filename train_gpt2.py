@@ -70,8 +70,8 @@ class TrainConfig:
     momentum_warmup_steps: int = 300  # steps of the Muon momentum warm-up (the records' 300)
     window_min_tokens: int = 128  # attention window at step 0 (one block), grown linearly during training
     window_max_tokens: int = 1792  # attention window at the last step (record #28's long window)
-    # record #28 used 0,4,7,11 (its layer 7 has no attention, so it had 3 long layers)
-    long_window_layers: str = "auto"  # long-window layers (others: half); auto = every 4th and the last: 0,4,8,11
+    # auto is record #28's pattern; with layer 7 without attention, 3 layers attend over the long window
+    long_window_layers: str = "auto"  # long-window layers (others: half); auto = every 4th from each end: 0,4,7,11
     # run
     val_loss_every: int = 125  # steps between validations (0 = only at the start and the end)
     log_every: int = 1  # steps between train-loss lines; each line syncs the GPU once

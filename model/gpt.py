@@ -34,8 +34,8 @@ class GPTConfig:
     attn_scale: float = 0.12  # softmax scale instead of 1/sqrt(head_dim): modded-nanogpt, tuned with QK-norm
     block_size: int = 128  # FlexAttention tile in tokens; the sequence length must be a multiple of it
     bos_id: int = 50256  # <|endoftext|>: starts every document, so attention never crosses it
-    # layers using the short window (half the long one); None = modded-nanogpt's 2025 long/short pattern:
-    # long on every 4th layer and on the last, short elsewhere
+    # layers using the short window (half the long one); None = record #28's long/short pattern: long on every
+    # 4th layer counted from each end (12 layers: 0, 4 and 11, 7), short elsewhere
     short_window_layers: tuple[int, ...] | None = None
     # blocks without an MLP / without attention (record #28 drops layer 7's attention); empty = all complete
     no_mlp_layers: tuple[int, ...] = ()
@@ -71,7 +71,7 @@ class GPTConfig:
     def is_short_window(self, layer: int) -> bool:
         if self.short_window_layers is not None:
             return layer in self.short_window_layers
-        return layer % 4 != 0 and layer != self.num_layers - 1
+        return min(layer, self.num_layers - 1 - layer) % 4 != 0
 
     def value_embed_index(self, layer: int) -> int | None:
         """Which value embedding layer `layer` uses: embedding k feeds layer k and layer L - n + k (record #28)."""

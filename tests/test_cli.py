@@ -68,11 +68,11 @@ def test_seq_len_must_be_a_multiple_of_the_block():
 
 def test_layer_lists_reach_the_model():
     """--long_window_layers, --no_attention_layers and --no_mlp_layers become the model config's layer sets;
-    "auto" keeps the model's own long/short pattern (every 4th layer and the last are long)."""
+    "auto" keeps the model's own long/short pattern (record #28's: every 4th layer from each end is long)."""
     default = model_config(parse_config(TrainConfig, [], PRESETS))
-    assert [i for i in range(12) if not default.is_short_window(i)] == [0, 4, 8, 11]
+    assert [i for i in range(12) if not default.is_short_window(i)] == [0, 4, 7, 11]
     assert (default.no_attention_layers, default.no_mlp_layers) == ((7,), ())
-    record = model_config(parse_config(TrainConfig, ["--long_window_layers=0,4,7,11", "--no_attention_layers=",
+    custom = model_config(parse_config(TrainConfig, ["--long_window_layers=0,4,8,11", "--no_attention_layers=",
                                                      "--no_mlp_layers=0"], PRESETS))
-    assert [i for i in range(12) if not record.is_short_window(i)] == [0, 4, 7, 11]
-    assert (record.no_attention_layers, record.no_mlp_layers) == ((), (0,))
+    assert [i for i in range(12) if not custom.is_short_window(i)] == [0, 4, 8, 11]
+    assert (custom.no_attention_layers, custom.no_mlp_layers) == ((), (0,))
