@@ -6,10 +6,11 @@ logits are the largest tensor (49,152 x 50,304 per micro-batch: 9.9 GB in fp32).
 - `reference_loss`: capped fp32 logits, then F.cross_entropy. The obvious code; tests compare against it.
 - `HeadLoss`: an autograd.Function that keeps only the bf16 logits (or nothing larger) for backward. Its forward
   reduces the capped logits to one log-sum-exp per token; its backward writes the logits' gradient once, already
-  in FP8 when the projection is FP8. Under torch.compile each side is one fused reduction or pointwise kernel
-  plus the matrix products: the fp32 (tokens x vocab) tensors of the reference never exist (the idea of Cut
-  Cross-Entropy, Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models", without its
-  custom matmul kernel).
+  in FP8 when the projection is FP8 (in both layouts the two FP8 products need). On CUDA each side is one
+  Triton kernel (model/head_kernels.py) plus the matrix products; elsewhere the torch ops `lse_and_loss`,
+  `logits_grad` and `logits_grad_fp8` below do the same. The fp32 (tokens x vocab) tensors of the reference never
+  exist (the idea of Cut Cross-Entropy, Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language
+  Models", without its custom matmul kernel).
 
 FP8 (`fp8=True`, GPUs with compute capability 8.9+; modded-nanogpt's FP8 head, record of 2025-01-13): the
 three matrix products run in torch._scaled_mm with e4m3 inputs/weights and e5m2 gradients, per-tensor scales.
@@ -25,6 +26,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.layers import norm
+
+try:  # the CUDA path's Triton kernels; CPU-only installs (CI) lack triton and run the torch ops below
+    from model import head_kernels
+except ImportError:
+    head_kernels = None
 
 IGNORE_INDEX = -100  # targets equal to this contribute no loss (F.cross_entropy's default)
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -73,11 +79,42 @@ def _col_major(t: Tensor) -> Tensor:
     return t.t().contiguous().t()
 
 
+def lse_and_loss(logits_NV: Tensor, targets_N: Tensor, softcap: float) -> tuple[Tensor, Tensor]:
+    """(lse_N, loss_N): the log-sum-exp of the capped logits and the per-token loss (0 where ignored), by torch
+    ops: HeadLoss's path on the CPU and the reference of model/head_kernels.py's kernel of the same name."""
+    valid_N = targets_N != IGNORE_INDEX
+    lse_N = bounded_logsumexp(capped(logits_NV, softcap), softcap)
+    target_logit_N = capped(logits_NV.gather(1, torch.where(valid_N, targets_N, 0)[:, None]).squeeze(1), softcap)
+    return lse_N, torch.where(valid_N, lse_N - target_logit_N, 0.0)
+
+
+def _unit_grad(logits_NV: Tensor, lse_N: Tensor, targets_N: Tensor, softcap: float) -> Tensor:
+    """d loss / d raw logit = (softmax - onehot) * (1 - tanh^2), each factor bounded by 1 in magnitude."""
+    z_NV = capped(logits_NV, softcap)
+    probs_NV = torch.exp(z_NV - lse_N[:, None])
+    onehot_NV = torch.arange(z_NV.size(1), device=z_NV.device)[None, :] == targets_N[:, None]
+    return (probs_NV - onehot_NV.to(z_NV.dtype)) * (1.0 - (z_NV / softcap) ** 2)
+
+
+def logits_grad(logits_NV: Tensor, lse_N: Tensor, targets_N: Tensor, grad_N: Tensor, softcap: float) -> Tensor:
+    """Gradient of sum(loss_N * grad_N) w.r.t. the raw logits, in their dtype (grad_N is 0 where ignored)."""
+    return (_unit_grad(logits_NV, lse_N, targets_N, softcap) * grad_N[:, None]).to(logits_NV.dtype)
+
+
+def logits_grad_fp8(logits_NV: Tensor, lse_N: Tensor, targets_N: Tensor, grad_N: Tensor, g_scale: Tensor,
+                    softcap: float) -> tuple[Tensor, Tensor]:
+    """The same gradient divided by g_scale in e5m2, as (N, V) and as its transpose (V, N), both row-major: the
+    first operands of the two backward torch._scaled_mm."""
+    g8_NV = (_unit_grad(logits_NV, lse_N, targets_N, softcap) * (grad_N / g_scale)[:, None]).to(torch.float8_e5m2)
+    return g8_NV, g8_NV.t().contiguous()
+
+
 class HeadLoss(torch.autograd.Function):
     """Per-token loss of capped logits (N,) fp32, from normed x (N, D) and the fp32 master weight (V, D).
 
     Saved for backward: the logits in x's dtype (bf16 on the GPU), one fp32 log-sum-exp per token and the
-    projection's operands (FP8 copies when `fp8`)."""
+    projection's operands (FP8 copies when `fp8`). Between the matrix products, CUDA tensors go through the
+    Triton kernels of model/head_kernels.py, others through the torch ops above (same names, same results)."""
 
     @staticmethod
     def forward(ctx, x_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, softcap: float, fp8: bool) -> Tensor:
@@ -92,37 +129,31 @@ class HeadLoss(torch.autograd.Function):
             x_scale = w_scale = None
             x_op, w_op = x_ND, weight_VD.type_as(x_ND)
             logits_NV = x_op @ w_op.t()
-        valid_N = targets_N != IGNORE_INDEX
-        safe_N = torch.where(valid_N, targets_N, 0)
-        lse_N = bounded_logsumexp(capped(logits_NV, softcap), softcap)
-        target_logit_N = capped(logits_NV.gather(1, safe_N[:, None]).squeeze(1), softcap)
+        lse_and_loss_fn = head_kernels.lse_and_loss if logits_NV.is_cuda else lse_and_loss
+        lse_N, loss_N = lse_and_loss_fn(logits_NV, targets_N, softcap)
         ctx.save_for_backward(x_op, w_op, x_scale, w_scale, logits_NV, lse_N, targets_N)
-        ctx.softcap, ctx.fp8, ctx.x_dtype, ctx.w_dtype = softcap, fp8, x_ND.dtype, weight_VD.dtype
-        return torch.where(valid_N, lse_N - target_logit_N, 0.0)
+        ctx.softcap, ctx.fp8, ctx.w_dtype = softcap, fp8, weight_VD.dtype
+        return loss_N
 
     @staticmethod
     def backward(ctx, grad_N: Tensor):
         softcap, fp8 = ctx.softcap, ctx.fp8
         x_op, w_op, x_scale, w_scale, logits_NV, lse_N, targets_N = ctx.saved_tensors
-        valid_N = targets_N != IGNORE_INDEX
-        grad_N = torch.where(valid_N, grad_N, 0.0)
-        # d loss / d raw logit = (softmax - onehot) * (1 - tanh^2), each factor bounded by 1 in magnitude
-        z_NV = capped(logits_NV, softcap)
-        probs_NV = torch.exp(z_NV - lse_N[:, None])
-        onehot_NV = torch.arange(z_NV.size(1), device=z_NV.device)[None, :] == targets_N[:, None]
-        unit_NV = (probs_NV - onehot_NV.to(z_NV.dtype)) * (1.0 - (z_NV / softcap) ** 2)
+        grad_N = torch.where(targets_N != IGNORE_INDEX, grad_N, 0.0)
         if not fp8:
-            grad_logits_NV = (unit_NV * grad_N[:, None]).to(ctx.x_dtype)
+            grad_fn = head_kernels.logits_grad if logits_NV.is_cuda else logits_grad
+            grad_logits_NV = grad_fn(logits_NV, lse_N, targets_N, grad_N, softcap)
             grad_x = grad_logits_NV @ w_op
             grad_w = (grad_logits_NV.t() @ x_op).to(ctx.w_dtype)
             return grad_x, grad_w, None, None, None
         grad_bound = grad_N.abs().amax().float()
         grad_bound = torch.where(grad_bound > 0, grad_bound, torch.ones_like(grad_bound))
         g_scale = grad_bound / GRAD_FP8_SCALE
-        g8_NV = (unit_NV * (grad_N / g_scale)[:, None]).to(torch.float8_e5m2)
+        grad_fp8_fn = head_kernels.logits_grad_fp8 if logits_NV.is_cuda else logits_grad_fp8
+        g8_NV, g8t_VN = grad_fp8_fn(logits_NV, lse_N, targets_N, grad_N, g_scale, softcap)
         grad_x = torch._scaled_mm(g8_NV, _col_major(w_op), scale_a=g_scale, scale_b=w_scale,
-                                  out_dtype=ctx.x_dtype)
-        grad_w = torch._scaled_mm(g8_NV.t().contiguous(), _col_major(x_op), scale_a=g_scale, scale_b=x_scale,
+                                  out_dtype=logits_NV.dtype)
+        grad_w = torch._scaled_mm(g8t_VN, _col_major(x_op), scale_a=g_scale, scale_b=x_scale,
                                   out_dtype=torch.float32)
         return grad_x, grad_w.to(ctx.w_dtype), None, None, None
 

@@ -1,0 +1,157 @@
+"""Triton kernels of the head loss (model/head.py, HeadLoss) on CUDA: one forward reduction, one backward writer.
+
+Compiled by inductor from torch ops, the head loss took 2.7 ms (forward) + 7.7 ms (backward) per 49,152 x 50,304
+micro-batch on the H200 (bench/results/README.md) for ~15 GB of traffic, ~3.1 ms at 4.8 TB/s. These kernels read
+the bf16 logits once per pass and write the gradient once per layout:
+
+- `lse_and_loss`: one program per token row, one pass over the vocabulary (the capped logits z lie in [-c, c], so
+  sum(exp(z - c)) needs no running maximum: model.head.bounded_logsumexp).
+- `logits_grad` / `logits_grad_fp8`: 2-D tiles of (tokens x vocab); the FP8 version stores each e5m2 tile twice,
+  once as is into (N, V) and once transposed into (V, N), so that both writes are coalesced. torch._scaled_mm
+  wants its first operand row-major, so grad_x = g8_NV @ W and grad_w = g8t_VN @ x each need their own layout.
+
+The softcap z = c tanh(l / c) is computed as c (2 s - 1) with s = sigmoid(2 l / c) = 1 / (1 + exp(-2 l / c)):
+one exp2 and one (approximate) division. libdevice's tanh made inductor's kernels compute-bound. The sigmoid form
+is clean at any |l|: exp overflows to inf for l << 0 (s = 0, z = -c) and underflows to 0 for l >> 0 (s = 1,
+z = c). It also gives tanh' = 1 - tanh^2 = 4 s (1 - s) without the cancellation of 1 - (z / c)^2.
+
+Each function is a torch.library.triton_op: it runs as a plain kernel launch in eager mode, and torch.compile
+(HeadLoss runs inside the compiled Head) sees the kernels themselves. Launch configurations are fixed: autotuning
+would lengthen the cold compile, a product goal (bench/results/README.md). This module imports triton; model/head.py
+imports it only where triton is installed, and with TRITON_INTERPRET=1 the kernels run on CPU tensors
+(tests/test_head_kernels.py).
+
+Shape legend: N tokens, V vocab.
+"""
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+_LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x log2(e)): exp2 is the GPU's native instruction
+_IGNORE_INDEX = tl.constexpr(-100)  # model.head.IGNORE_INDEX
+
+# The vocabulary size is a compile-time constant (one model, one V): the forward's loop has a fixed trip count.
+# (It also keeps triton 3.6's interpreter off a runtime loop bound, which fails with numpy >= 2.4:
+# triton-lang/triton#9171.)
+# Forward: one program per row walks the vocabulary in chunks of 2,048: 8 elements (one 16-byte bf16 load) per
+# thread of 8 warps; 50,304 = 24.6 chunks, so the masked tail wastes under 2% of the work.
+_FORWARD_BLOCK_V, _FORWARD_WARPS = 2048, 8
+# Backward: 64 x 128 tiles: 32 elements per thread of 8 warps; a row-major e5m2 tile row is 128 bytes and a
+# transposed one 64 bytes, whole 32-byte sectors either way. 50,304 = 393 x 128 and 49,152 = 768 x 64: no tail.
+_BACKWARD_BLOCK_N, _BACKWARD_BLOCK_V, _BACKWARD_WARPS = 64, 128, 8
+
+
+@triton.jit
+def _sigmoid_2u(logits, softcap):
+    """s = sigmoid(2 l / c) in fp32, from which z = c tanh(l / c) = c (2 s - 1)."""
+    return 1.0 / (1.0 + tl.exp2(logits.to(tl.float32) * (-2.0 * _LOG2E / softcap)))
+
+
+@triton.jit
+def _forward_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, softcap, V: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * V  # N x V passes 2^31 at the training size
+    # exp(z - c) = exp(2 c (s - 1)), summed lane-wise and reduced once at the end
+    sum_V = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols_V = start + tl.arange(0, BLOCK_V)
+        inside_V = cols_V < V
+        s_V = _sigmoid_2u(tl.load(row_ptr + cols_V, mask=inside_V, other=0.0), softcap)
+        sum_V += tl.where(inside_V, tl.exp2((2.0 * _LOG2E) * softcap * (s_V - 1.0)), 0.0)
+    lse = softcap + tl.log(tl.sum(sum_V, axis=0))
+    target = tl.load(targets_ptr + row)
+    ignored = target == _IGNORE_INDEX
+    z_target = softcap * (2.0 * _sigmoid_2u(tl.load(row_ptr + tl.where(ignored, 0, target)), softcap) - 1.0)
+    tl.store(lse_ptr + row, lse)
+    tl.store(loss_ptr + row, tl.where(ignored, 0.0, lse - z_target))
+
+
+@triton.jit
+def _grad_tile(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_scale, N, softcap,
+               V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """This program's tile of (softmax(z) - onehot) * tanh' * grad_N / g_scale in fp32, its rows, columns, mask."""
+    rows_N = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_V = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    rows_inside_N = rows_N < N
+    inside_NV = rows_inside_N[:, None] & (cols_V < V)[None, :]
+    logits_NV = tl.load(logits_ptr + rows_N.to(tl.int64)[:, None] * V + cols_V[None, :], mask=inside_NV, other=0.0)
+    lse_N = tl.load(lse_ptr + rows_N, mask=rows_inside_N, other=0.0)
+    targets_N = tl.load(targets_ptr + rows_N, mask=rows_inside_N, other=_IGNORE_INDEX)
+    row_grad_N = tl.load(grad_ptr + rows_N, mask=rows_inside_N, other=0.0) / g_scale
+    s_NV = _sigmoid_2u(logits_NV, softcap)
+    probs_NV = tl.exp2(_LOG2E * (softcap * (2.0 * s_NV - 1.0) - lse_N[:, None]))
+    onehot_NV = (cols_V[None, :] == targets_N[:, None]).to(tl.float32)
+    g_NV = (probs_NV - onehot_NV) * (4.0 * s_NV * (1.0 - s_NV)) * row_grad_N[:, None]
+    return g_NV, rows_N, cols_V, inside_NV
+
+
+@triton.jit
+def _grad_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_ptr, N, softcap,
+                 V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    g_NV, rows_N, cols_V, inside_NV = _grad_tile(logits_ptr, lse_ptr, targets_ptr, grad_ptr, 1.0, N, softcap,
+                                                 V, BLOCK_N, BLOCK_V)
+    tl.store(g_ptr + rows_N.to(tl.int64)[:, None] * V + cols_V[None, :], g_NV.to(g_ptr.dtype.element_ty),
+             mask=inside_NV)
+
+
+@triton.jit
+def _grad_fp8_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_scale_ptr, g8_ptr, g8t_ptr, N, softcap,
+                     V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    g_NV, rows_N, cols_V, inside_NV = _grad_tile(logits_ptr, lse_ptr, targets_ptr, grad_ptr, tl.load(g_scale_ptr),
+                                                 N, softcap, V, BLOCK_N, BLOCK_V)
+    g8_NV = g_NV.to(tl.float8e5)
+    tl.store(g8_ptr + rows_N.to(tl.int64)[:, None] * V + cols_V[None, :], g8_NV, mask=inside_NV)
+    tl.store(g8t_ptr + cols_V.to(tl.int64)[:, None] * N + rows_N[None, :], tl.trans(g8_NV), mask=tl.trans(inside_NV))
+
+
+def _check(logits_NV: Tensor, *rows: Tensor) -> None:
+    torch._check(logits_NV.dtype in (torch.bfloat16, torch.float32) and logits_NV.is_contiguous(),
+                 lambda: f"the head kernels take contiguous bf16/fp32 logits, not {logits_NV.dtype}")
+    for t in rows:
+        torch._check(t.shape == logits_NV.shape[:1] and t.is_contiguous(), lambda: "one contiguous value per row")
+
+
+@triton_op("speedrun::head_lse_and_loss", mutates_args=())
+def lse_and_loss(logits_NV: Tensor, targets_N: Tensor, softcap: float) -> tuple[Tensor, Tensor]:
+    """(lse_N, loss_N) in fp32: model.head.lse_and_loss in one read of the logits."""
+    _check(logits_NV, targets_N)
+    N, V = logits_NV.shape
+    lse_N = torch.empty(N, dtype=torch.float32, device=logits_NV.device)
+    loss_N = torch.empty(N, dtype=torch.float32, device=logits_NV.device)
+    wrap_triton(_forward_kernel)[(N,)](logits_NV, targets_N, lse_N, loss_N, softcap,
+                                       V=V, BLOCK_V=_FORWARD_BLOCK_V, num_warps=_FORWARD_WARPS)
+    return lse_N, loss_N
+
+
+def _backward_grid(N: int, V: int) -> tuple[int, int]:
+    # row tiles on the first axis (up to 2^31 - 1 programs), vocabulary tiles (393) on the second (65,535)
+    return triton.cdiv(N, _BACKWARD_BLOCK_N), triton.cdiv(V, _BACKWARD_BLOCK_V)
+
+
+@triton_op("speedrun::head_logits_grad", mutates_args=())
+def logits_grad(logits_NV: Tensor, lse_N: Tensor, targets_N: Tensor, grad_N: Tensor, softcap: float) -> Tensor:
+    """Gradient of sum(loss_N * grad_N) w.r.t. the raw logits (N, V), in their dtype: model.head.logits_grad."""
+    _check(logits_NV, lse_N, targets_N, grad_N)
+    N, V = logits_NV.shape
+    g_NV = torch.empty_like(logits_NV)
+    wrap_triton(_grad_kernel)[_backward_grid(N, V)](logits_NV, lse_N, targets_N, grad_N, g_NV, N, softcap,
+                                                    V=V, BLOCK_N=_BACKWARD_BLOCK_N, BLOCK_V=_BACKWARD_BLOCK_V,
+                                                    num_warps=_BACKWARD_WARPS)
+    return g_NV
+
+
+@triton_op("speedrun::head_logits_grad_fp8", mutates_args=())
+def logits_grad_fp8(logits_NV: Tensor, lse_N: Tensor, targets_N: Tensor, grad_N: Tensor, g_scale: Tensor,
+                    softcap: float) -> tuple[Tensor, Tensor]:
+    """(g8_NV, g8t_VN): the gradient divided by the 0-D g_scale in e5m2, row-major and transposed (the same bits):
+    model.head.logits_grad_fp8."""
+    _check(logits_NV, lse_N, targets_N, grad_N)
+    N, V = logits_NV.shape
+    g8_NV = torch.empty((N, V), dtype=torch.float8_e5m2, device=logits_NV.device)
+    g8t_VN = torch.empty((V, N), dtype=torch.float8_e5m2, device=logits_NV.device)
+    wrap_triton(_grad_fp8_kernel)[_backward_grid(N, V)](logits_NV, lse_N, targets_N, grad_N, g_scale, g8_NV, g8t_VN,
+                                                        N, softcap, V=V, BLOCK_N=_BACKWARD_BLOCK_N,
+                                                        BLOCK_V=_BACKWARD_BLOCK_V, num_warps=_BACKWARD_WARPS)
+    return g8_NV, g8t_VN
