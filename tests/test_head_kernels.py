@@ -1,0 +1,175 @@
+"""model/head_kernels.py: the Triton kernels of the head loss against the torch ops of model/head.py (same names).
+
+On a GPU (`pytest -m gpu`) at the training's sizes. On the CPU through the Triton interpreter where triton is
+installed: TRITON_INTERPRET=1 must be set before triton decorates the kernels (when model.head imports them), so
+those tests run in a child pytest (`test_kernels_in_the_triton_interpreter`); `TRITON_INTERPRET=1 pytest
+tests/test_head_kernels.py` runs them directly."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import head
+from model.head import GRAD_FP8_SCALE, IGNORE_INDEX
+
+SOFTCAP = 15.0
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# e5m2 keeps 2 mantissa bits: round-to-nearest is within 2^-3 relative, and within half the smallest subnormal
+# (2^-16) of the scale below that
+E5M2_RTOL, E5M2_ATOL_OF_SCALE = 2.0 ** -3, 2.0 ** -17
+
+gpu = pytest.mark.gpu
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_in_the_triton_interpreter's child")
+
+
+def problem(n, v, dtype, device, seed=0):
+    """Raw logits with a trained model's spread (std 3, a few peaks near the cap) and one row of extremes (up to
+    1e4, past where exp(2 l / c) overflows fp32), targets with ignored positions and one on an extreme, upstream
+    gradients of both signs (0 where ignored, as HeadLoss passes them)."""
+    g = torch.Generator(device).manual_seed(seed)
+    logits = 3.0 * torch.randn(n, v, generator=g, device=device)
+    logits[torch.randint(0, n, (n,), generator=g, device=device),
+           torch.randint(0, v, (n,), generator=g, device=device)] = 20.0
+    logits[0, :9] = torch.tensor([1e4, -1e4, 700.0, -700.0, 3e4, -3e4, 60.0, -60.0, 0.0])
+    targets = torch.randint(0, v, (n,), generator=g, device=device)
+    targets[torch.randperm(n, generator=g, device=device)[: n // 20]] = IGNORE_INDEX
+    targets[0] = 1  # the target at -1e4
+    grad = torch.randn(n, generator=g, device=device) / n
+    grad[targets == IGNORE_INDEX] = 0.0
+    return logits.to(dtype), targets, grad
+
+
+def reference(logits, targets, grad):
+    """lse, loss and the logits' gradient by model.head's torch ops in fp64."""
+    lse, loss = head.lse_and_loss(logits.double(), targets, SOFTCAP)
+    return lse, loss, head.logits_grad(logits.double(), lse, targets, grad.double(), SOFTCAP)
+
+
+def g_scale_of(grad):
+    return grad.abs().amax() / GRAD_FP8_SCALE  # HeadLoss.backward's scale (grad is not all zero here)
+
+
+def cosine(a, b):
+    return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def check_forward(logits, targets, grad):
+    lse, loss = head.head_kernels.lse_and_loss(logits, targets, SOFTCAP)
+    want_lse, want_loss, _ = reference(logits, targets, grad)
+    assert lse.dtype == loss.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(loss.double(), want_loss, rtol=1e-4, atol=1e-4)
+    assert (loss[targets == IGNORE_INDEX] == 0).all()
+
+
+def check_grad(logits, targets, grad, rtol):
+    """Relative to each value, plus an absolute 1e-5 of the largest upstream gradient for the fp32 rounding of
+    the unit gradient (|unit| <= 1)."""
+    lse = head.head_kernels.lse_and_loss(logits, targets, SOFTCAP)[0]
+    g = head.head_kernels.logits_grad(logits, lse, targets, grad, SOFTCAP)
+    assert g.dtype == logits.dtype and g.shape == logits.shape
+    torch.testing.assert_close(g.double(), reference(logits, targets, grad)[2], rtol=rtol,
+                               atol=1e-5 * grad.abs().max().item())
+
+
+def fp8_grads(logits, targets, grad):
+    lse = head.head_kernels.lse_and_loss(logits, targets, SOFTCAP)[0]
+    g_scale = g_scale_of(grad)
+    g8, g8t = head.head_kernels.logits_grad_fp8(logits, lse, targets, grad, g_scale, SOFTCAP)
+    assert g8.dtype == g8t.dtype == torch.float8_e5m2 and g8t.shape == g8.shape[::-1] and g8t.is_contiguous()
+    assert torch.equal(g8.view(torch.uint8).t(), g8t.view(torch.uint8))  # one value, two layouts
+    return g8.double() * g_scale.double(), reference(logits, targets, grad)[2], g_scale.item()
+
+
+# --- GPU ------------------------------------------------------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n, v", [(8192, 50304), (333, 1001)])
+def test_lse_and_loss_on_gpu(n, v, dtype):
+    """The record's vocabulary (and a size off every tile) against fp64 torch ops: lse and loss to 1e-4."""
+    check_forward(*problem(n, v, dtype, "cuda"))
+
+
+@gpu
+@pytest.mark.parametrize("dtype, rtol", [(torch.bfloat16, 2.0 ** -8), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("n, v", [(8192, 50304), (333, 1001)])
+def test_logits_grad_on_gpu(n, v, dtype, rtol):
+    """The gradient in the logits' dtype against fp64: within one bf16 rounding (2^-9) and the fp32 math."""
+    check_grad(*problem(n, v, dtype, "cuda"), rtol=rtol)
+
+
+@gpu
+@pytest.mark.parametrize("n, v", [(8192, 50304), (333, 1001)])
+def test_logits_grad_fp8_on_gpu(n, v):
+    """Both e5m2 layouts hold the same bits; dequantised, each value is within e5m2's rounding of the fp64
+    gradient, and the whole is as aligned with it as torch's own e5m2 cast of the fp64 gradient (~0.998: e5m2's
+    2-bit mantissa alone keeps the cosine below 0.999)."""
+    logits, targets, grad = problem(n, v, torch.bfloat16, "cuda")
+    got, want, g_scale = fp8_grads(logits, targets, grad)
+    torch.testing.assert_close(got, want, rtol=E5M2_RTOL + 1e-3, atol=E5M2_ATOL_OF_SCALE * g_scale)
+    torch_e5m2 = (want / g_scale).float().to(torch.float8_e5m2).double() * g_scale
+    assert cosine(got, want) > cosine(torch_e5m2, want) - 1e-4
+
+
+@gpu
+def test_kernels_index_past_2_31_at_the_training_size():
+    """49,152 x 50,304 logits have more than 2^31 elements: the last rows (and the transposed layout's last
+    columns) match the kernels run on those rows alone."""
+    logits, targets, grad = problem(49152, 50304, torch.bfloat16, "cuda")
+    kernels = head.head_kernels
+    lse, loss = kernels.lse_and_loss(logits, targets, SOFTCAP)
+    g = kernels.logits_grad(logits, lse, targets, grad, SOFTCAP)
+    g_scale = g_scale_of(grad)
+    g8, g8t = kernels.logits_grad_fp8(logits, lse, targets, grad, g_scale, SOFTCAP)
+    tail = slice(-64, None)
+    tail_lse, tail_loss = kernels.lse_and_loss(logits[tail].contiguous(), targets[tail], SOFTCAP)
+    assert torch.equal(lse[tail], tail_lse) and torch.equal(loss[tail], tail_loss)
+    tail_args = logits[tail].contiguous(), tail_lse, targets[tail], grad[tail].contiguous()
+    assert torch.equal(g[tail], kernels.logits_grad(*tail_args, SOFTCAP))
+    tail_g8, tail_g8t = kernels.logits_grad_fp8(*tail_args, g_scale, SOFTCAP)
+    assert torch.equal(g8[tail].view(torch.uint8), tail_g8.view(torch.uint8))
+    assert torch.equal(g8t[:, tail].view(torch.uint8), tail_g8t.view(torch.uint8))
+
+
+# --- CPU, Triton interpreter ------------------------------------------------------------------------------------
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch)")
+@pytest.mark.skipif(INTERPRETED, reason="the child itself")
+def test_kernels_in_the_triton_interpreter():
+    """The interpreted tests below, in a child process with TRITON_INTERPRET=1."""
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                            "interpreted"], cwd=Path(__file__).parents[1], env={**os.environ, "TRITON_INTERPRET": "1"},
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0 and "3 passed" in child.stdout.splitlines()[-1], child.stdout + child.stderr
+
+
+# Sizes off every tile: 100 rows = 64 + 36; 2,500 columns = 2,048 + 452 (forward) = 19 x 128 + 68 (backward).
+@interpreted
+def test_interpreted_lse_and_loss():
+    check_forward(*problem(100, 2500, torch.bfloat16, "cpu"))
+
+
+@interpreted
+def test_interpreted_logits_grad():
+    """The interpreter rounds fp32 -> bf16 by truncation (the GPU to nearest): within 2^-7, not 2^-8."""
+    check_grad(*problem(100, 2500, torch.bfloat16, "cpu"), rtol=2.0 ** -7)
+
+
+@interpreted
+def test_interpreted_logits_grad_fp8():
+    """Layouts and tile edges. triton 3.6's interpreter casts fp32 -> e5m2 with a carry bug: a mantissa that
+    rounds up past 1.75 wraps to 1.0, halving the value (the GPU rounds to nearest). So each value is within
+    e5m2's rounding of the reference, or of half of it."""
+    logits, targets, grad = problem(100, 2500, torch.bfloat16, "cpu")
+    got, want, g_scale = fp8_grads(logits, targets, grad)
+    atol = E5M2_ATOL_OF_SCALE * g_scale
+
+    def near(a):
+        return torch.isclose(got, a, rtol=E5M2_RTOL + 1e-3, atol=atol)
+
+    assert (near(want) | near(want / 2)).all()
+    assert near(want).float().mean() > 0.8
