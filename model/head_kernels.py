@@ -34,6 +34,8 @@ from torch.library import triton_op, wrap_triton
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x log2(e)): exp2 is the GPU's native instruction
 _IGNORE_INDEX = tl.constexpr(-100)  # model.head.IGNORE_INDEX
 
+# The softcap is a compile-time constant too: passed as a runtime float, inductor hands it to the kernel as fp64
+# and the forward's fp32 accumulator turned fp64 (a Triton compile error on the H200).
 # The vocabulary size is a compile-time constant (one model, one V): the forward's loop has a fixed trip count.
 # (It also keeps triton 3.6's interpreter off a runtime loop bound, which fails with numpy >= 2.4:
 # triton-lang/triton#9171.)
@@ -52,7 +54,8 @@ def _sigmoid_2u(logits, softcap):
 
 
 @triton.jit
-def _forward_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, softcap, V: tl.constexpr, BLOCK_V: tl.constexpr):
+def _forward_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, softcap: tl.constexpr, V: tl.constexpr,
+                    BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * V  # N x V passes 2^31 at the training size
     # exp(z - c) = exp(2 c (s - 1)), summed lane-wise and reduced once at the end
@@ -71,7 +74,7 @@ def _forward_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, softcap, V: tl.c
 
 
 @triton.jit
-def _grad_tile(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_scale, N, softcap,
+def _grad_tile(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_scale, N, softcap: tl.constexpr,
                V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
     """This program's tile of (softmax(z) - onehot) * tanh' * grad_N / g_scale in fp32, its rows, columns, mask."""
     rows_N = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -90,7 +93,7 @@ def _grad_tile(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_scale, N, softcap,
 
 
 @triton.jit
-def _grad_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_ptr, N, softcap,
+def _grad_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_ptr, N, softcap: tl.constexpr,
                  V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
     g_NV, rows_N, cols_V, inside_NV = _grad_tile(logits_ptr, lse_ptr, targets_ptr, grad_ptr, 1.0, N, softcap,
                                                  V, BLOCK_N, BLOCK_V)
@@ -99,7 +102,8 @@ def _grad_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_ptr, N, softcap,
 
 
 @triton.jit
-def _grad_fp8_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_scale_ptr, g8_ptr, g8t_ptr, N, softcap,
+def _grad_fp8_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_scale_ptr, g8_ptr, g8t_ptr, N,
+                     softcap: tl.constexpr,
                      V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
     g_NV, rows_N, cols_V, inside_NV = _grad_tile(logits_ptr, lse_ptr, targets_ptr, grad_ptr, tl.load(g_scale_ptr),
                                                  N, softcap, V, BLOCK_N, BLOCK_V)
