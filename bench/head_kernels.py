@@ -1,0 +1,78 @@
+"""The head-loss kernels alone at the training shape (GPU only): Triton (model/head_kernels.py) against the same
+math compiled by inductor from torch ops (model/head.py), and the Triton backward at several tile shapes.
+
+    python -m bench.head_kernels --out bench/results/head_kernels_1xH200.json
+
+One 49,152-token micro-batch, V = 50,304, bf16 logits with a spread like the trained head's; median of REPEATS
+after WARMUP calls, CUDA events. The whole training step runs these 8 times per step (bench/run.py measures that).
+Tile shapes are set by overriding model/head_kernels.py's module constants between runs, each a fixed launch
+configuration (no autotuning: cold compile time is a product goal).
+"""
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from model import head, head_kernels
+
+WARMUP, REPEATS = 3, 10
+N, V, SOFTCAP = 48 * 1024, 50304, 15.0
+# (BLOCK_N, BLOCK_V, warps) of the backward: the committed 64 x 128 first, then the shapes worth a look
+BACKWARD_TILES = [(64, 128, 8), (128, 128, 8), (64, 256, 8), (128, 64, 4), (32, 256, 4), (128, 256, 16)]
+
+
+def median_ms(fn) -> float:
+    for _ in range(WARMUP):
+        fn()
+    times = []
+    for _ in range(REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return round(statistics.median(times), 3)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits_NV = (3.0 * torch.randn(N, V, device="cuda", generator=gen)).bfloat16()
+    targets_N = torch.randint(0, V, (N,), device="cuda", generator=gen)
+    grad_N = torch.full((N,), 1.0 / N, device="cuda")
+    g_scale = grad_N.abs().amax() / head.GRAD_FP8_SCALE
+    lse_N, _ = head_kernels.lse_and_loss(logits_NV, targets_N, SOFTCAP)
+
+    compiled_forward = torch.compile(head.lse_and_loss, dynamic=False)
+    compiled_backward = torch.compile(head.logits_grad_fp8, dynamic=False)
+    result = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "N": N, "V": V,
+        # bytes moved at the least: read the bf16 logits once; the backward also writes e5m2 twice
+        "forward_min_bytes": 2 * N * V, "backward_min_bytes": 4 * N * V,
+        "forward_ms": {"inductor": median_ms(lambda: compiled_forward(logits_NV, targets_N, SOFTCAP)),
+                       "triton": median_ms(lambda: head_kernels.lse_and_loss(logits_NV, targets_N, SOFTCAP))},
+        "backward_fp8_ms": {"inductor": median_ms(
+            lambda: compiled_backward(logits_NV, lse_N, targets_N, grad_N, g_scale, SOFTCAP))},
+    }
+    committed = (head_kernels._BACKWARD_BLOCK_N, head_kernels._BACKWARD_BLOCK_V, head_kernels._BACKWARD_WARPS)
+    for tile in BACKWARD_TILES:
+        head_kernels._BACKWARD_BLOCK_N, head_kernels._BACKWARD_BLOCK_V, head_kernels._BACKWARD_WARPS = tile
+        try:
+            ms = median_ms(lambda: head_kernels.logits_grad_fp8(logits_NV, lse_N, targets_N, grad_N, g_scale, SOFTCAP))
+        except Exception as e:  # a tile too large for the SM's registers or shared memory: say so, try the next
+            ms = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        result["backward_fp8_ms"]["triton %dx%d, %d warps" % tile] = ms
+    head_kernels._BACKWARD_BLOCK_N, head_kernels._BACKWARD_BLOCK_V, head_kernels._BACKWARD_WARPS = committed
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
