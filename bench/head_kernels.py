@@ -19,7 +19,8 @@ from model import head, head_kernels
 
 WARMUP, REPEATS = 3, 10
 N, V, SOFTCAP = 48 * 1024, 50304, 15.0
-# (BLOCK_N, BLOCK_V, warps) of the backward: the committed 64 x 128 first, then the shapes worth a look
+# (BLOCK_N, BLOCK_V, warps) of the backward: the committed 64 x 128 first, then the shapes worth a look; each with
+# the e5m2 tile transposed and with the fp32 tile transposed before its cast
 BACKWARD_TILES = [(64, 128, 8), (128, 128, 8), (64, 256, 8), (128, 64, 4), (32, 256, 4), (128, 256, 16)]
 
 
@@ -60,15 +61,21 @@ def main():
         "backward_fp8_ms": {"inductor": median_ms(
             lambda: compiled_backward(logits_NV, lse_N, targets_N, grad_N, g_scale, SOFTCAP))},
     }
-    committed = (head_kernels._BACKWARD_BLOCK_N, head_kernels._BACKWARD_BLOCK_V, head_kernels._BACKWARD_WARPS)
+    names = ("_BACKWARD_BLOCK_N", "_BACKWARD_BLOCK_V", "_BACKWARD_WARPS", "_BACKWARD_TRANSPOSE_FP32")
+    committed = [getattr(head_kernels, name) for name in names]
     for tile in BACKWARD_TILES:
-        head_kernels._BACKWARD_BLOCK_N, head_kernels._BACKWARD_BLOCK_V, head_kernels._BACKWARD_WARPS = tile
-        try:
-            ms = median_ms(lambda: head_kernels.logits_grad_fp8(logits_NV, lse_N, targets_N, grad_N, g_scale, SOFTCAP))
-        except Exception as e:  # a tile too large for the SM's registers or shared memory: say so, try the next
-            ms = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        result["backward_fp8_ms"]["triton %dx%d, %d warps" % tile] = ms
-    head_kernels._BACKWARD_BLOCK_N, head_kernels._BACKWARD_BLOCK_V, head_kernels._BACKWARD_WARPS = committed
+        for transpose_fp32 in (False, True):
+            for name, value in zip(names, (*tile, transpose_fp32)):
+                setattr(head_kernels, name, value)
+            try:
+                ms = median_ms(
+                    lambda: head_kernels.logits_grad_fp8(logits_NV, lse_N, targets_N, grad_N, g_scale, SOFTCAP))
+            except Exception as e:  # a tile too large for the SM's registers or shared memory: say so, go on
+                ms = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            key = "triton %dx%d, %d warps, " % tile + ("fp32 transpose" if transpose_fp32 else "e5m2 transpose")
+            result["backward_fp8_ms"][key] = ms
+    for name, value in zip(names, committed):
+        setattr(head_kernels, name, value)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -45,6 +45,10 @@ _FORWARD_BLOCK_V, _FORWARD_WARPS = 2048, 8
 # Backward: 64 x 128 tiles: 32 elements per thread of 8 warps; a row-major e5m2 tile row is 128 bytes and a
 # transposed one 64 bytes, whole 32-byte sectors either way. 50,304 = 393 x 128 and 49,152 = 768 x 64: no tail.
 _BACKWARD_BLOCK_N, _BACKWARD_BLOCK_V, _BACKWARD_WARPS = 64, 128, 8
+# Transpose the fp32 tile and cast it again (True) instead of transposing the e5m2 tile (False): the same bits, but
+# a 32-bit layout change in shared memory may avoid the bank conflicts of 8-bit ones. The step measured 11.2 ms
+# per micro-batch for this kernel with False (bench/results/README.md on main); bench/head_kernels.py times both.
+_BACKWARD_TRANSPOSE_FP32 = False
 
 
 @triton.jit
@@ -103,14 +107,18 @@ def _grad_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_ptr, N, softcap: 
 
 @triton.jit
 def _grad_fp8_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_scale_ptr, g8_ptr, g8t_ptr, N,
-                     softcap: tl.constexpr,
-                     V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+                     softcap: tl.constexpr, V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                     TRANSPOSE_FP32: tl.constexpr):
     g_NV, rows_N, cols_V, inside_NV = _grad_tile(logits_ptr, lse_ptr, targets_ptr, grad_ptr, tl.load(g_scale_ptr),
                                                  N, softcap, V, BLOCK_N, BLOCK_V)
     g8_NV = g_NV.to(tl.float8e5)
     tl.store(g8_ptr + rows_N.to(tl.int64)[:, None] * V + cols_V[None, :], g8_NV, mask=inside_NV)
     # the transposed tile goes through shared memory (tl.trans), so that its rows, too, are stored contiguously
-    tl.store(g8t_ptr + cols_V.to(tl.int64)[:, None] * N + rows_N[None, :], tl.trans(g8_NV),
+    if TRANSPOSE_FP32:
+        g8_VN = tl.trans(g_NV).to(tl.float8e5)
+    else:
+        g8_VN = tl.trans(g8_NV)
+    tl.store(g8t_ptr + cols_V.to(tl.int64)[:, None] * N + rows_N[None, :], g8_VN,
              mask=(cols_V < V)[:, None] & (rows_N < N)[None, :])
 
 
@@ -161,5 +169,7 @@ def logits_grad_fp8(logits_NV: Tensor, lse_N: Tensor, targets_N: Tensor, grad_N:
     g8t_VN = torch.empty((V, N), dtype=torch.float8_e5m2, device=logits_NV.device)
     wrap_triton(_grad_fp8_kernel)[_backward_grid(N, V)](logits_NV, lse_N, targets_N, grad_N, g_scale, g8_NV, g8t_VN,
                                                         N, softcap, V=V, BLOCK_N=_BACKWARD_BLOCK_N,
-                                                        BLOCK_V=_BACKWARD_BLOCK_V, num_warps=_BACKWARD_WARPS)
+                                                        BLOCK_V=_BACKWARD_BLOCK_V,
+                                                        TRANSPOSE_FP32=_BACKWARD_TRANSPOSE_FP32,
+                                                        num_warps=_BACKWARD_WARPS)
     return g8_NV, g8t_VN
