@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 
 import torch
+import triton
 
 from model import head, head_kernels
 
@@ -22,6 +23,10 @@ N, V, SOFTCAP = 48 * 1024, 50304, 15.0
 # (BLOCK_N, BLOCK_V, warps) of the backward: the committed 64 x 128 first, then the shapes worth a look; each with
 # the e5m2 tile transposed and with the fp32 tile transposed before its cast
 BACKWARD_TILES = [(64, 128, 8), (128, 128, 8), (64, 256, 8), (128, 64, 4), (32, 256, 4), (128, 256, 16)]
+# The split alternative: the backward kernel's row-major store alone at these tiles, and a separate e5m2 transpose
+# (N, V) -> (V, N) at these (BLOCK_R, BLOCK_C, warps); the pair costs the sum of the two
+ROW_MAJOR_TILES = [(64, 128, 8), (32, 256, 4), (16, 512, 4), (8, 1024, 4)]
+TRANSPOSE_TILES = [(64, 64, 4), (128, 128, 8), (64, 128, 4), (128, 64, 4), (256, 64, 8), (32, 32, 4)]
 
 
 def median_ms(fn) -> float:
@@ -36,6 +41,15 @@ def median_ms(fn) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return round(statistics.median(times), 3)
+
+
+def attempt(fn) -> float | str:
+    """median_ms(fn), or the error's first line: a tile too large for the SM's registers or shared memory is a
+    result too, and the sweep goes on."""
+    try:
+        return median_ms(fn)
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def main():
@@ -67,15 +81,28 @@ def main():
         for transpose_fp32 in (False, True):
             for name, value in zip(names, (*tile, transpose_fp32)):
                 setattr(head_kernels, name, value)
-            try:
-                ms = median_ms(
-                    lambda: head_kernels.logits_grad_fp8(logits_NV, lse_N, targets_N, grad_N, g_scale, SOFTCAP))
-            except Exception as e:  # a tile too large for the SM's registers or shared memory: say so, go on
-                ms = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            ms = attempt(lambda: head_kernels.logits_grad_fp8(logits_NV, lse_N, targets_N, grad_N, g_scale, SOFTCAP))
             key = "triton %dx%d, %d warps, " % tile + ("fp32 transpose" if transpose_fp32 else "e5m2 transpose")
             result["backward_fp8_ms"][key] = ms
     for name, value in zip(names, committed):
         setattr(head_kernels, name, value)
+
+    g8_NV = torch.empty((N, V), dtype=torch.float8_e5m2, device="cuda")
+    g8t_VN = torch.empty((V, N), dtype=torch.float8_e5m2, device="cuda")
+    result["row_major_store_only_ms"] = {}
+    for block_n, block_v, warps in ROW_MAJOR_TILES:
+        grid = (triton.cdiv(N, block_n), triton.cdiv(V, block_v))
+        result["row_major_store_only_ms"]["%dx%d, %d warps" % (block_n, block_v, warps)] = attempt(
+            lambda: head_kernels._grad_fp8_kernel[grid](
+                logits_NV, lse_N, targets_N, grad_N, g_scale, g8_NV, g8t_VN, N, SOFTCAP, V=V, BLOCK_N=block_n,
+                BLOCK_V=block_v, TRANSPOSE_FP32=False, STORE_TRANSPOSED=False, num_warps=warps))
+    compiled_transpose = torch.compile(lambda g: g.t().contiguous(), dynamic=False)
+    result["transpose_e5m2_ms"] = {"inductor": attempt(lambda: compiled_transpose(g8_NV))}
+    for block_r, block_c, warps in TRANSPOSE_TILES:
+        grid = (triton.cdiv(N, block_r), triton.cdiv(V, block_c))
+        result["transpose_e5m2_ms"]["triton %dx%d, %d warps" % (block_r, block_c, warps)] = attempt(
+            lambda: head_kernels._transpose_kernel[grid](g8_NV, g8t_VN, N, V, BLOCK_R=block_r, BLOCK_C=block_c,
+                                                         num_warps=warps))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

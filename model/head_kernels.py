@@ -108,18 +108,32 @@ def _grad_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_ptr, N, softcap: 
 @triton.jit
 def _grad_fp8_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_scale_ptr, g8_ptr, g8t_ptr, N,
                      softcap: tl.constexpr, V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                     TRANSPOSE_FP32: tl.constexpr):
+                     TRANSPOSE_FP32: tl.constexpr, STORE_TRANSPOSED: tl.constexpr = True):
     g_NV, rows_N, cols_V, inside_NV = _grad_tile(logits_ptr, lse_ptr, targets_ptr, grad_ptr, tl.load(g_scale_ptr),
                                                  N, softcap, V, BLOCK_N, BLOCK_V)
     g8_NV = g_NV.to(tl.float8e5)
     tl.store(g8_ptr + rows_N.to(tl.int64)[:, None] * V + cols_V[None, :], g8_NV, mask=inside_NV)
-    # the transposed tile goes through shared memory (tl.trans), so that its rows, too, are stored contiguously
-    if TRANSPOSE_FP32:
-        g8_VN = tl.trans(g_NV).to(tl.float8e5)
-    else:
-        g8_VN = tl.trans(g8_NV)
-    tl.store(g8t_ptr + cols_V.to(tl.int64)[:, None] * N + rows_N[None, :], g8_VN,
-             mask=(cols_V < V)[:, None] & (rows_N < N)[None, :])
+    # the transposed tile goes through shared memory (tl.trans), so that its rows, too, are stored contiguously;
+    # bench/head_kernels.py also times the row-major store alone (STORE_TRANSPOSED=False) before _transpose_kernel
+    if STORE_TRANSPOSED:
+        if TRANSPOSE_FP32:
+            g8_VN = tl.trans(g_NV).to(tl.float8e5)
+        else:
+            g8_VN = tl.trans(g8_NV)
+        tl.store(g8t_ptr + cols_V.to(tl.int64)[:, None] * N + rows_N[None, :], g8_VN,
+                 mask=(cols_V < V)[:, None] & (rows_N < N)[None, :])
+
+
+@triton.jit
+def _transpose_kernel(src_ptr, dst_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dst (C, R) = src (R, C) transposed, one tile per program (bench/head_kernels.py: a separate pass instead of
+    the fused kernel's second store)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    tile = tl.load(src_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :],
+                   mask=(rows < R)[:, None] & (cols < C)[None, :])
+    tl.store(dst_ptr + cols.to(tl.int64)[:, None] * R + rows[None, :], tl.trans(tile),
+             mask=(cols < C)[:, None] & (rows < R)[None, :])
 
 
 def _check(logits_NV: Tensor, *rows: Tensor) -> None:
