@@ -1,4 +1,5 @@
-"""Triton kernels of the head loss (model/head.py, HeadLoss) on CUDA: one forward reduction, one backward writer.
+"""Triton kernels of the head loss (model/head.py, HeadLoss) on CUDA: one forward reduction, one backward writer
+(and, for FP8, one transpose).
 
 Compiled by inductor from torch ops, the head loss took 2.7 ms (forward) + 7.7 ms (backward) per 49,152 x 50,304
 micro-batch on the H200 (bench/results/README.md) for ~15 GB of traffic, ~3.1 ms at 4.8 TB/s. These kernels read
@@ -6,9 +7,11 @@ the bf16 logits once per pass and write the gradient once per layout:
 
 - `lse_and_loss`: one program per token row, one pass over the vocabulary (the capped logits z lie in [-c, c], so
   sum(exp(z - c)) needs no running maximum: model.head.bounded_logsumexp).
-- `logits_grad` / `logits_grad_fp8`: 2-D tiles of (tokens x vocab); the FP8 version stores each e5m2 tile twice,
-  once as is into (N, V) and once transposed into (V, N), so that both writes are coalesced. torch._scaled_mm
-  wants its first operand row-major, so grad_x = g8_NV @ W and grad_w = g8t_VN @ x each need their own layout.
+- `logits_grad` / `logits_grad_fp8`: 2-D tiles of (tokens x vocab), stored row-major. torch._scaled_mm wants its
+  first operand row-major, so grad_x = g8_NV @ W and grad_w = g8t_VN @ x each need their own layout: the FP8
+  version then transposes its e5m2 output in a second kernel. Measured per micro-batch on the H200
+  (bench/results/head_kernels_1xH200.json): 2.85 ms for the gradient + 1.30 ms for the transpose, where one
+  kernel storing each tile in both layouts took 7.6-10.8 ms (six tile shapes) and inductor's 7.9 ms.
 
 The softcap z = c tanh(l / c) is computed as c (2 s - 1) with s = sigmoid(2 l / c) = 1 / (1 + exp(-2 l / c)):
 one exp2 and one division (libdevice's tanh made inductor's kernels compute-bound). The sigmoid form is clean at
@@ -42,13 +45,12 @@ _IGNORE_INDEX = tl.constexpr(-100)  # model.head.IGNORE_INDEX
 # Forward: one program per row walks the vocabulary in chunks of 2,048: 8 elements (one 16-byte bf16 load) per
 # thread of 8 warps; 50,304 = 24.6 chunks, so the masked tail wastes under 2% of the work.
 _FORWARD_BLOCK_V, _FORWARD_WARPS = 2048, 8
-# Backward: 64 x 128 tiles: 32 elements per thread of 8 warps; a row-major e5m2 tile row is 128 bytes and a
-# transposed one 64 bytes, whole 32-byte sectors either way. 50,304 = 393 x 128 and 49,152 = 768 x 64: no tail.
-_BACKWARD_BLOCK_N, _BACKWARD_BLOCK_V, _BACKWARD_WARPS = 64, 128, 8
-# Transpose the fp32 tile and cast it again (True) instead of transposing the e5m2 tile (False): the same bits, but
-# a 32-bit layout change in shared memory may avoid the bank conflicts of 8-bit ones. The step measured 11.2 ms
-# per micro-batch for this kernel with False (bench/results/README.md on main); bench/head_kernels.py times both.
-_BACKWARD_TRANSPOSE_FP32 = False
+# Backward: 32 x 256 tiles of 4 warps, the fastest of four shapes from 64 x 128 to 8 x 1,024 (2.85 against up to
+# 2.98 ms, bench/head_kernels.py). 49,152 = 1,536 x 32; 50,304 = 196.5 x 256: the masked tail is a quarter tile.
+_BACKWARD_BLOCK_N, _BACKWARD_BLOCK_V, _BACKWARD_WARPS = 32, 256, 4
+# Transpose: 64 x 128 tiles of 4 warps (1.30 ms; 128 x 128 took 1.32, 64 x 64 1.67, 32 x 32 2.07; inductor's
+# g.t().contiguous() 2.12): an e5m2 tile row is 128 bytes read, a transposed one 64 bytes written, whole sectors.
+_TRANSPOSE_BLOCK_R, _TRANSPOSE_BLOCK_C, _TRANSPOSE_WARPS = 64, 128, 4
 
 
 @triton.jit
@@ -106,28 +108,17 @@ def _grad_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_ptr, N, softcap: 
 
 
 @triton.jit
-def _grad_fp8_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_scale_ptr, g8_ptr, g8t_ptr, N,
-                     softcap: tl.constexpr, V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                     TRANSPOSE_FP32: tl.constexpr, STORE_TRANSPOSED: tl.constexpr = True):
+def _grad_fp8_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_scale_ptr, g8_ptr, N, softcap: tl.constexpr,
+                     V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
     g_NV, rows_N, cols_V, inside_NV = _grad_tile(logits_ptr, lse_ptr, targets_ptr, grad_ptr, tl.load(g_scale_ptr),
                                                  N, softcap, V, BLOCK_N, BLOCK_V)
-    g8_NV = g_NV.to(tl.float8e5)
-    tl.store(g8_ptr + rows_N.to(tl.int64)[:, None] * V + cols_V[None, :], g8_NV, mask=inside_NV)
-    # the transposed tile goes through shared memory (tl.trans), so that its rows, too, are stored contiguously;
-    # bench/head_kernels.py also times the row-major store alone (STORE_TRANSPOSED=False) before _transpose_kernel
-    if STORE_TRANSPOSED:
-        if TRANSPOSE_FP32:
-            g8_VN = tl.trans(g_NV).to(tl.float8e5)
-        else:
-            g8_VN = tl.trans(g8_NV)
-        tl.store(g8t_ptr + cols_V.to(tl.int64)[:, None] * N + rows_N[None, :], g8_VN,
-                 mask=(cols_V < V)[:, None] & (rows_N < N)[None, :])
+    tl.store(g8_ptr + rows_N.to(tl.int64)[:, None] * V + cols_V[None, :], g_NV.to(tl.float8e5), mask=inside_NV)
 
 
 @triton.jit
 def _transpose_kernel(src_ptr, dst_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dst (C, R) = src (R, C) transposed, one tile per program (bench/head_kernels.py: a separate pass instead of
-    the fused kernel's second store)."""
+    """dst (C, R) = src (R, C) transposed, one tile per program; the tile goes through shared memory (tl.trans),
+    so that both the load and the store walk contiguous rows."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     tile = tl.load(src_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :],
@@ -156,7 +147,7 @@ def lse_and_loss(logits_NV: Tensor, targets_N: Tensor, softcap: float) -> tuple[
 
 
 def _backward_grid(N: int, V: int) -> tuple[int, int]:
-    # row tiles on the first axis (up to 2^31 - 1 programs), vocabulary tiles (393) on the second (65,535)
+    # row tiles on the first axis (up to 2^31 - 1 programs), vocabulary tiles (197) on the second (65,535)
     return triton.cdiv(N, _BACKWARD_BLOCK_N), triton.cdiv(V, _BACKWARD_BLOCK_V)
 
 
@@ -181,9 +172,10 @@ def logits_grad_fp8(logits_NV: Tensor, lse_N: Tensor, targets_N: Tensor, grad_N:
     N, V = logits_NV.shape
     g8_NV = torch.empty((N, V), dtype=torch.float8_e5m2, device=logits_NV.device)
     g8t_VN = torch.empty((V, N), dtype=torch.float8_e5m2, device=logits_NV.device)
-    wrap_triton(_grad_fp8_kernel)[_backward_grid(N, V)](logits_NV, lse_N, targets_N, grad_N, g_scale, g8_NV, g8t_VN,
-                                                        N, softcap, V=V, BLOCK_N=_BACKWARD_BLOCK_N,
-                                                        BLOCK_V=_BACKWARD_BLOCK_V,
-                                                        TRANSPOSE_FP32=_BACKWARD_TRANSPOSE_FP32,
-                                                        num_warps=_BACKWARD_WARPS)
+    wrap_triton(_grad_fp8_kernel)[_backward_grid(N, V)](logits_NV, lse_N, targets_N, grad_N, g_scale, g8_NV, N,
+                                                        softcap, V=V, BLOCK_N=_BACKWARD_BLOCK_N,
+                                                        BLOCK_V=_BACKWARD_BLOCK_V, num_warps=_BACKWARD_WARPS)
+    transpose_grid = (triton.cdiv(N, _TRANSPOSE_BLOCK_R), triton.cdiv(V, _TRANSPOSE_BLOCK_C))
+    wrap_triton(_transpose_kernel)[transpose_grid](g8_NV, g8t_VN, N, V, BLOCK_R=_TRANSPOSE_BLOCK_R,
+                                                   BLOCK_C=_TRANSPOSE_BLOCK_C, num_warps=_TRANSPOSE_WARPS)
     return g8_NV, g8t_VN

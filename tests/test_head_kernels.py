@@ -147,7 +147,8 @@ def test_kernels_in_the_triton_interpreter():
     assert child.returncode == 0 and "3 passed" in child.stdout.splitlines()[-1], child.stdout + child.stderr
 
 
-# Sizes off every tile: 100 rows = 64 + 36; 2,500 columns = 2,048 + 452 (forward) = 19 x 128 + 68 (backward).
+# Sizes off every tile: 2,500 columns = 2,048 + 452 (forward) = 9 x 256 + 196 (backward); the transpose's tiles:
+# 100 rows = 64 + 36, 2,500 columns = 19 x 128 + 68. The backward's 32-row tiles: 100 = 3 x 32 + 4.
 @interpreted
 def test_interpreted_lse_and_loss():
     check_forward(*problem(100, 2500, torch.bfloat16, "cpu"))
