@@ -10,15 +10,15 @@ the bf16 logits once per pass and write the gradient once per layout:
 - `logits_grad` / `logits_grad_fp8`: 2-D tiles of (tokens x vocab), stored row-major. torch._scaled_mm wants its
   first operand row-major, so grad_x = g8_NV @ W and grad_w = g8t_VN @ x each need their own layout: the FP8
   version then transposes its e5m2 output in a second kernel. Measured per micro-batch on the H200
-  (bench/results/head_kernels_1xH200.json): 2.85 ms for the gradient + 1.30 ms for the transpose, where one
-  kernel storing each tile in both layouts took 7.6-10.8 ms (six tile shapes) and inductor's 7.9 ms.
+  (bench/results/head_kernels_1xH200.json): 4.37 ms for the two, against 7.87 ms for inductor's kernel; one
+  kernel storing each tile in both layouts took 7.6-10.8 ms at six tile shapes (head_kernels_1xH200_8ab2f99.json).
 
 The softcap z = c tanh(l / c) is computed as c (2 s - 1) with s = sigmoid(2 l / c) = 1 / (1 + exp(-2 l / c)):
 one exp2 and one division (libdevice's tanh made inductor's kernels compute-bound). The sigmoid form is clean at
 any |l|: exp overflows to inf for l << 0 (s = 0, z = -c) and underflows to 0 for l >> 0 (s = 1, z = c). It also
 gives tanh' = 1 - tanh^2 = 4 s (1 - s) without the cancellation of 1 - (z / c)^2. Even so, each element costs three
 special-function operations (exp2, reciprocal, exp2), which at the H200's 16 per SM per clock take ~1.8 ms per
-micro-batch: the forward may stay above its ~1 ms of memory traffic (an estimate, not measured).
+micro-batch: the forward stays above its ~1 ms of memory traffic (measured 1.95 ms; inductor's 2.65).
 
 Each function is a torch.library.triton_op: it runs as a plain kernel launch in eager mode, and torch.compile
 (HeadLoss runs inside the compiled Head) sees the kernels themselves. Launch configurations are fixed: autotuning
@@ -45,11 +45,13 @@ _IGNORE_INDEX = tl.constexpr(-100)  # model.head.IGNORE_INDEX
 # Forward: one program per row walks the vocabulary in chunks of 2,048: 8 elements (one 16-byte bf16 load) per
 # thread of 8 warps; 50,304 = 24.6 chunks, so the masked tail wastes under 2% of the work.
 _FORWARD_BLOCK_V, _FORWARD_WARPS = 2048, 8
-# Backward: 32 x 256 tiles of 4 warps, the fastest of four shapes from 64 x 128 to 8 x 1,024 (2.85 against up to
-# 2.98 ms, bench/head_kernels.py). 49,152 = 1,536 x 32; 50,304 = 196.5 x 256: the masked tail is a quarter tile.
+# Backward: 32 x 256 tiles of 4 warps, the fastest of four shapes from 64 x 128 to 8 x 1,024 in the first sweep
+# (2.85 against up to 2.98 ms, bench/results/head_kernels_1xH200_8ab2f99.json; tied with 8 x 1,024 in the second).
+# 49,152 = 1,536 x 32; 50,304 = 196.5 x 256: the masked tail is half a tile's columns, in one tile column of 197.
 _BACKWARD_BLOCK_N, _BACKWARD_BLOCK_V, _BACKWARD_WARPS = 32, 256, 4
 # Transpose: 64 x 128 tiles of 4 warps (1.30 ms; 128 x 128 took 1.32, 64 x 64 1.67, 32 x 32 2.07; inductor's
-# g.t().contiguous() 2.12): an e5m2 tile row is 128 bytes read, a transposed one 64 bytes written, whole sectors.
+# g.t().contiguous() 2.12; the same file): an e5m2 tile row is 128 bytes read, a transposed one 64 bytes
+# written, whole 32-byte sectors either way.
 _TRANSPOSE_BLOCK_R, _TRANSPOSE_BLOCK_C, _TRANSPOSE_WARPS = 64, 128, 4
 
 
