@@ -82,9 +82,9 @@ def main():
     for block_n, block_v, warps in GRAD_TILES:
         grid = (triton.cdiv(N, block_n), triton.cdiv(V, block_v))
         result["grad_e5m2_row_major_ms"]["triton %dx%d, %d warps" % (block_n, block_v, warps)] = attempt(
-            lambda: head_kernels._grad_fp8_kernel[grid](logits_NV, lse_N, targets_N, grad_N, g_scale, g8_NV, N,
-                                                        SOFTCAP, V=V, BLOCK_N=block_n, BLOCK_V=block_v,
-                                                        num_warps=warps))
+            lambda: head_kernels._grad_kernel[grid](logits_NV, lse_N, targets_N, grad_N, g_scale, g8_NV, N, SOFTCAP,
+                                                    V=V, BLOCK_N=block_n, BLOCK_V=block_v, SCALED=True,
+                                                    num_warps=warps))
     compiled_transpose = torch.compile(lambda g: g.t().contiguous(), dynamic=False)
     result["transpose_e5m2_ms"] = {"inductor": attempt(lambda: compiled_transpose(g8_NV))}
     for block_r, block_c, warps in TRANSPOSE_TILES:
