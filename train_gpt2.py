@@ -19,7 +19,7 @@ import torch
 from data.loader import TrainLoader, ValLoader
 from data.prepare import ensure_sample_shards
 from data.shard import VOCAB_SIZE
-from model.gpt import GPT, GPTConfig
+from model.gpt import GPT, GPTConfig, receptive_field
 from optim.muon import check_method
 from optim.optimizer import MuonAdam
 from optim.schedule import attention_window, lr_multiplier, muon_momentum
@@ -38,6 +38,10 @@ class TrainConfig:
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards; "sample" = data/sample
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"  # glob of validation shards; "sample" = data/sample
     val_tokens: int = 10_485_760  # tokens per validation, fixed by the speedrun so runs are comparable
+    # -1 = the model's receptive field at window_max_tokens (record: 3 x 1,791 + 8 x 895 = 12,533), at most half a
+    # sequence; 0 = consecutive cut sequences (the runs in bench/results before this option: the tokens after a cut
+    # lose their document's beginning)
+    val_context: int = -1  # unscored tokens each validation sequence repeats, so every token sees its whole context
     seq_len: int = 48 * 1024  # tokens per packed sequence, a multiple of 128 (record #28)
     batch_size: int = 8  # sequences per optimizer step over all GPUs: 8 x 48K = 393,216 tokens (record #28)
     device_batch_size: int = 1  # sequences per GPU per micro-step; lower it (or seq_len) when memory is short
@@ -111,7 +115,8 @@ PRESETS: dict[str, dict] = {
 # Fields that never change the training math: a resumed run may differ in these and still be the same run.
 # compile and fp8_head change only rounding (kernels, precision of the same math), so a run can move between GPUs.
 RESUME_MAY_CHANGE = {"resume", "log_dir", "checkpoint_every", "val_loss_every", "log_every", "compile", "fp8_head",
-                     "warmup_steps", "device", "hellaswag", "hellaswag_file", "val_files", "val_tokens", "preset"}
+                     "warmup_steps", "device", "hellaswag", "hellaswag_file", "val_files", "val_tokens", "val_context",
+                     "preset"}
 BLOCK_SIZE = 128  # FlexAttention's tile: packed sequences are cut into blocks of this many tokens
 FINEWEB_SHARD_TOKENS = 100_000_000  # tokens per FineWeb train shard (data/cached_fineweb10B.py)
 DIVERGED_EXIT = 3  # exit status when the loss or the weights become inf/nan (2 is a user error)
@@ -121,6 +126,7 @@ DIVERGED_EXIT = 3  # exit status when the loss or the weights become inf/nan (2 
 class Derived:
     grad_accum: int  # micro-steps per optimizer step on each rank
     tokens_per_step: int  # all ranks together
+    val_context: int  # tokens each validation sequence repeats from the one before (data/loader.py, ValLoader)
 
 
 def derive(cfg: TrainConfig, world_size: int) -> Derived:
@@ -152,8 +158,15 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
         if not 0 <= getattr(cfg, name) <= torch.finfo(torch.float32).max:
             raise ValueError(f"--{name}={getattr(cfg, name)} must be a number from 0 to 3.4e38 (float32); the "
                              f"record uses --{name}={getattr(TrainConfig, name)}")
-    model_config(cfg)  # the layer lists and the model's own checks, before any work
-    return Derived(grad_accum=cfg.batch_size // per_micro_step, tokens_per_step=cfg.batch_size * cfg.seq_len)
+    if not -1 <= cfg.val_context < cfg.seq_len:
+        raise ValueError(f"--val_context={cfg.val_context} must be from 0 to --seq_len - 1 = {cfg.seq_len - 1}, "
+                         f"or -1 for the model's receptive field at the longest window")
+    mcfg = model_config(cfg)  # the layer lists and the model's own checks, before any work
+    val_context = cfg.val_context
+    if val_context == -1:
+        val_context = min(receptive_field(mcfg, cfg.window_max_tokens), cfg.seq_len // 2)
+    return Derived(grad_accum=cfg.batch_size // per_micro_step, tokens_per_step=cfg.batch_size * cfg.seq_len,
+                   val_context=val_context)
 
 
 def check_resume(cfg: TrainConfig) -> None:
@@ -252,7 +265,7 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
                         f"(at most {(have - 1) // derived.tokens_per_step} fit)")
     val_loader = ValLoader(val_files, val_tokens=cfg.val_tokens, seq_len=cfg.seq_len,
                            device_batch_size=cfg.device_batch_size, rank=rt.rank, world_size=rt.world_size,
-                           device=device)
+                           device=device, context=derived.val_context)
 
     # ----------------------------------------------------------------------------------------------
     # 3. run folder and log, made only once the config and the data are known to be good
@@ -284,7 +297,8 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
     log.header(cfg, mcfg, device)
     log.print(f"run folder {run_dir} | {rt.world_size} process(es) on {device} | {model.num_params():,} parameters | "
               f"{derived.tokens_per_step:,} tokens/step = {cfg.batch_size} x {cfg.seq_len} | "
-              f"grad accumulation {derived.grad_accum} | validation {val_loader.num_steps} steps")
+              f"grad accumulation {derived.grad_accum} | validation {val_loader.num_steps} steps "
+              f"({derived.val_context} tokens of context per sequence)")
     if cfg.checkpoint_every and rt.is_master:
         # fp32 weights + Adam's two moments + Muon's momentum: at most 4 copies of the parameters, KEEP files
         check_disk_space(run_dir, 4 * 4 * model.num_params() * (checkpoint.KEEP + 1), "checkpointing")

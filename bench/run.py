@@ -15,6 +15,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -51,6 +52,13 @@ def launch(nproc: int, train_args: list[str], log_dir: Path, console: Path) -> t
         if proc.wait():
             sys.exit(f"train_gpt2.py failed with status {proc.returncode}; see {console}")
     return time.perf_counter() - t0, warm
+
+
+def val_context(lines: list[str]) -> int:
+    """The tokens of context each validation sequence repeated (train_gpt2's --val_context, resolved); 0 when the
+    run folder line does not say (runs before the option cut validation into consecutive sequences)."""
+    found = (re.search(r"\((\d+) tokens of context per sequence\)", line) for line in lines)
+    return next((int(m.group(1)) for m in found if m), 0)
 
 
 def read_run(log_dir: Path) -> tuple[dict, list[dict], list[str]]:
@@ -116,7 +124,7 @@ def main():
         "config": {"num_layers": mcfg["num_layers"], "model_dim": mcfg["model_dim"], "tokens_per_step": tokens_per_step,
                    "micro_steps": cfg["batch_size"] // (cfg["device_batch_size"] * args.nproc),
                    "seq_len": cfg["seq_len"], "window_tokens": [cfg["window_min_tokens"], cfg["window_max_tokens"]],
-                   "compile": cfg["compile"]},
+                   "compile": cfg["compile"], "val_context": val_context(lines)},
         "startup_to_warm_s": round(warm, 1) if warm else None, "wall_s": round(wall, 1),
         "warmup_line": next((l for l in lines if l.startswith("warm-up:")), None), **memory(lines),
     }

@@ -180,18 +180,24 @@ class TrainLoader:
 class ValLoader:
     """The first `val_tokens` predictions of the validation stream, in micro-batches of the training shape.
 
-    A validation step covers world_size * device_batch_size * seq_len tokens; targets past the first
-    `val_tokens` predicted tokens are -100 (ignored), so the loss counts exactly `val_tokens` tokens.
-    Each iteration starts from the beginning.
+    Row r (of all ranks' rows, in order) holds stream tokens [r * S, r * S + seq_len) with S = seq_len - context:
+    its first `context` predictions repeat the end of row r - 1 and are not scored (-100), they only give the
+    scored tokens after them the context they have in the unbroken stream. With context >= the longest attention
+    window - 1, every scored token sees exactly the keys it would see in one endless sequence, so the loss does not
+    depend on seq_len (context 0: consecutive cut sequences; the first tokens after each cut lose their document's
+    beginning). Targets past the first `val_tokens` predictions are -100 too, so the loss counts exactly
+    `val_tokens` tokens. Each iteration starts from the beginning.
     """
 
     def __init__(self, pattern: str, *, val_tokens: int, seq_len: int, device_batch_size: int, rank: int,
-                 world_size: int, device):
+                 world_size: int, device, context: int = 0):
         if val_tokens <= 0:
             raise ValueError(f"--val_tokens={val_tokens} must be positive: it is how many tokens each validation "
                              f"scores (the speedrun's --val_tokens=10485760)")
+        assert 0 <= context < seq_len, f"context {context} outside 0..{seq_len - 1} (train_gpt2.derive checks it)"
         assert 0 <= rank < world_size, f"rank {rank} outside world of size {world_size}"
         self.val_tokens, self.seq_len, self.device_batch_size = val_tokens, seq_len, device_batch_size
+        self.context, self.stride = context, seq_len - context
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         paths = _shard_paths(pattern, "--val_files")
         available = sum(read_header(p) for p in paths)
@@ -199,7 +205,9 @@ class ValLoader:
             raise ValueError(f"the {len(paths)} validation shard(s) matching {pattern!r} hold {available:,} tokens, "
                              f"but --val_tokens={val_tokens:,} needs {val_tokens + 1:,} (one more input than "
                              f"predictions): lower --val_tokens or point --val_files at more data")
-        self.num_steps = math.ceil(val_tokens / (world_size * device_batch_size * seq_len))
+        # row 0 scores seq_len predictions, every later row `stride` more
+        rows = 1 + max(0, math.ceil((val_tokens - seq_len) / self.stride))
+        self.num_steps = math.ceil(rows / (world_size * device_batch_size))
         pieces, have = [], 0
         for path in paths:
             piece = np.array(read_shard(path)[:val_tokens + 1 - have])
@@ -216,9 +224,12 @@ class ValLoader:
     def __iter__(self):
         T, Bd = self.seq_len, self.device_batch_size
         for step in range(self.num_steps):
-            first = (step * self.world_size + self.rank) * Bd
-            positions = (first + np.arange(Bd))[:, None] * T + np.arange(T + 1)
+            row_B = (step * self.world_size + self.rank) * Bd + np.arange(Bd)
+            positions = (row_B * self.stride)[:, None] + np.arange(T + 1)
             # Positions past the stream repeat its last token; every target there is ignored anyway.
             rows = self._stream[np.minimum(positions, len(self._stream) - 1)]
-            targets = np.where(positions[:, 1:] <= self.val_tokens, rows[:, 1:].astype(np.int64), -100)
+            # stream position of the first target each row scores: all of row 0's, a later row's after its context
+            first_scored_B = np.where(row_B > 0, positions[:, 0] + self.context, 0) + 1
+            scored = (positions[:, 1:] >= first_scored_B[:, None]) & (positions[:, 1:] <= self.val_tokens)
+            targets = np.where(scored, rows[:, 1:].astype(np.int64), -100)
             yield _to_device(rows[:, :-1], targets, self.device)

@@ -210,6 +210,19 @@ class GPT(nn.Module):
         return self.head(self.hidden_states(inputs_BT, window), targets_BT, reduction)
 
 
+def attention_windows(config: GPTConfig, window: int) -> dict[int, int]:
+    """{layer: its window in tokens} for the layers with attention, when the long window is `window`."""
+    short = int(short_window(torch.tensor(window), config.block_size))
+    return {i: short if config.is_short_window(i) else window
+            for i in range(config.num_layers) if i not in config.no_attention_layers}
+
+
+def receptive_field(config: GPTConfig, window: int) -> int:
+    """How many tokens before a position can change the model's output there (document starts aside): each
+    attention layer reaches its window - 1 further back than the layer below it."""
+    return sum(w - 1 for w in attention_windows(config, window).values())
+
+
 def mean_context(seq_len: int, window: int) -> float:
     """Mean number of keys a query attends under the causal sliding window (documents ignored)."""
     w = min(window, seq_len)
@@ -227,11 +240,8 @@ def flops_per_token(config: GPTConfig, seq_len: int, window: int) -> float:
     document boundaries are data-dependent and ignored, so this is an upper bound on useful work).
     """
     D, A = config.model_dim, config.num_heads * config.head_dim
-    attention_layers = [i for i in range(config.num_layers) if i not in config.no_attention_layers]
+    windows = attention_windows(config, window)
     mlp_layers = config.num_layers - len(config.no_mlp_layers)
-    n_matmul = (len(attention_layers) * (3 * A * D + D * A) + mlp_layers * 2 * config.mlp_ratio * D * D
+    n_matmul = (len(windows) * (3 * A * D + D * A) + mlp_layers * 2 * config.mlp_ratio * D * D
                 + config.vocab_size * D)
-    short = int(short_window(torch.tensor(window), config.block_size))
-    attention = sum(12 * A * mean_context(seq_len, short if config.is_short_window(i) else window)
-                    for i in attention_layers)
-    return 6 * n_matmul + attention
+    return 6 * n_matmul + sum(12 * A * mean_context(seq_len, w) for w in windows.values())

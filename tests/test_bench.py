@@ -1,9 +1,10 @@
-"""bench/run.py: how per-step times come out of a run's metrics, and the guard on too few timed steps."""
+"""bench/run.py: how per-step times and the validation context come out of a run's log, and the guard on too few
+timed steps."""
 import subprocess
 import sys
 from pathlib import Path
 
-from bench.run import MIN_STEPS, per_step_ms
+from bench.run import MIN_STEPS, per_step_ms, val_context
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -14,6 +15,13 @@ def test_per_step_times_skip_gaps_and_the_profiled_step():
     metrics = [{"step": s, "train_loss": 1.0, "train_time_ms": t} for s, t in lines] + [{"step": 8, "val_loss": 1.0}]
     assert per_step_ms(metrics, profiled_step=4) == [80.0, 80.0, 80.0, 80.0]
     assert per_step_ms(metrics) == [80.0, 80.0, 1040.0, 80.0, 80.0]
+
+
+def test_val_context_from_the_run_folder_line():
+    # train_gpt2's line (tests/test_reliability.py case 11 checks that it prints it), and one from before the option
+    line = "run folder logs/x | 1 process(es) on cpu | grad accumulation 1 | validation 4 steps ({} per sequence)"
+    assert val_context(["warm-up: ...", line.format("64 tokens of context")]) == 64
+    assert val_context([line.replace(" ({} per sequence)", "")]) == 0
 
 
 def test_throughput_refuses_too_few_steps(tmp_path):

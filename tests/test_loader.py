@@ -171,25 +171,37 @@ def test_bad_token_id_is_reported_with_its_shard(tmp_path):
         take_step([loader])
 
 
-@pytest.mark.parametrize("world_size,device_batch_size", [(1, 1), (2, 3), (4, 2)])
-def test_val_loader_counts_exactly_val_tokens(tmp_path, world_size, device_batch_size):
+@pytest.mark.parametrize("world_size,device_batch_size,context",
+                         [(1, 1, 0), (2, 3, 0), (4, 2, 0), (1, 1, 5), (2, 3, 15), (4, 2, 8)])
+def test_val_loader_counts_exactly_val_tokens(tmp_path, world_size, device_batch_size, context):
+    """Every one of the first val_tokens predictions is scored once, in stream order, and each scored one has at
+    least `context` tokens of the stream before it in its row (all of them in the first row)."""
     stream, pattern = write_shards(tmp_path, sizes=(150, 200), name="val")
     val_tokens = 301
     loaders = [ValLoader(pattern, val_tokens=val_tokens, seq_len=T, device_batch_size=device_batch_size, rank=r,
-                         world_size=world_size, device="cpu") for r in range(world_size)]
-    assert loaders[0].num_steps == math.ceil(val_tokens / (world_size * device_batch_size * T))
+                         world_size=world_size, device="cpu", context=context) for r in range(world_size)]
+    stride = T - context
+    rows_needed = 1 + math.ceil((val_tokens - T) / stride)
+    assert loaders[0].num_steps == math.ceil(rows_needed / (world_size * device_batch_size))
     for _ in range(2):  # every pass starts from the beginning
         inputs, targets = [], []
-        for batches in zip(*loaders):  # step by step; ranks in order give consecutive sequences
+        for batches in zip(*loaders):  # step by step; ranks in order give consecutive rows
             for x, y in batches:
                 assert x.dtype == torch.int32 and y.dtype == torch.int64 and x.shape == (device_batch_size, T)
-                inputs.append(x.flatten())
-                targets.append(y.flatten())
+                inputs.append(x)
+                targets.append(y)
         inputs, targets = torch.cat(inputs).numpy(), torch.cat(targets).numpy()
-        assert (targets != -100).sum() == val_tokens
-        np.testing.assert_array_equal(targets[:val_tokens], stream[1:val_tokens + 1])
-        np.testing.assert_array_equal(inputs[:val_tokens], stream[:val_tokens])
-        assert (targets[val_tokens:] == -100).all()
+        assert len(inputs) >= rows_needed
+        for r in range(rows_needed):  # row r is the stream from r * stride on (its last read token repeated)
+            positions = np.minimum(r * stride + np.arange(T + 1), val_tokens)
+            np.testing.assert_array_equal(inputs[r], stream[positions[:-1]])
+            scored_T = targets[r] != -100
+            np.testing.assert_array_equal(targets[r][scored_T], stream[positions[1:]][scored_T])
+            assert r == 0 or not scored_T[:context].any()
+        scored = targets != -100
+        assert scored.sum() == val_tokens
+        np.testing.assert_array_equal(targets[scored], stream[1:val_tokens + 1])
+        np.testing.assert_array_equal(inputs[scored], stream[:val_tokens])
 
 
 def test_val_loader_errors(tmp_path):
@@ -212,3 +224,35 @@ def test_cuda_batches_match_cpu(tmp_path):
         (x, y), (xg, yg) = cpu.next_batch(), gpu.next_batch()
         assert xg.is_cuda and xg.dtype == torch.int32 and yg.dtype == torch.int64
         assert torch.equal(x, xg.cpu()) and torch.equal(y, yg.cpu())
+
+
+def test_val_context_scores_as_one_unbroken_stream(tmp_path):
+    """With the model's receptive field as context, the summed validation loss over the loader's rows equals the
+    loss of the whole stream as one sequence. With less, tokens after a cut lose part of their document's beginning
+    and the sum differs. A small random-weight model (fp32, SDPA), so that attention carries information."""
+    from model.gpt import GPT, GPTConfig, receptive_field
+
+    _, pattern = write_shards(tmp_path, sizes=(150, 200), name="val")
+    seq_len, window, val_tokens = 64, 24, 255
+    config = GPTConfig(num_layers=2, model_dim=32, num_heads=2, head_dim=16, num_value_embeds=1, block_size=16)
+    context = receptive_field(config, window)
+    assert context == 2 * (window - 1)  # both layers of a 2-layer model have the long window
+    torch.manual_seed(0)
+    model = GPT(config)
+    model.init_weights()
+    model.attention_backend, model.compute_dtype = "sdpa", torch.float32
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3 if p.ndim >= 2 else 1.0)
+
+    def summed_loss(seq_len, context):
+        loader = ValLoader(pattern, val_tokens=val_tokens, seq_len=seq_len, device_batch_size=2, rank=0,
+                           world_size=1, device="cpu", context=context)
+        with torch.no_grad():
+            return sum(model(x, y, torch.tensor(window), reduction="sum").item() for x, y in loader)
+
+    whole = summed_loss(256, 0)  # one row: the whole stream
+    assert summed_loss(seq_len, context) == pytest.approx(whole, rel=1e-6)  # fp32 rounding: measured 4e-8 of it
+    assert summed_loss(seq_len, context + 10) == pytest.approx(whole, rel=1e-6)  # more than needed: the same
+    for short in (0, window - 1):  # one layer's window is not enough: the layers chain
+        assert abs(summed_loss(seq_len, short) - whole) > 5e-6 * whole  # measured 7e-4 and 1.1e-5 of it

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from model.attention import short_window
-from model.gpt import GPT, GPTConfig, flops_per_token, mean_context
+from model.gpt import GPT, GPTConfig, flops_per_token, mean_context, receptive_field
 
 BOS = 0
 TINY = GPTConfig(vocab_size=256, num_layers=4, model_dim=64, num_heads=2, head_dim=32, num_value_embeds=1,
@@ -276,3 +276,26 @@ def test_partial_block_config_errors():
     GPTConfig(no_attention_layers=(0,))  # fine without the value residual
     with pytest.raises(ValueError, match="no_mlp_layers"):
         GPTConfig(num_layers=4, num_value_embeds=1, no_mlp_layers=(4,))
+
+
+def test_receptive_field_is_how_far_back_an_input_reaches():
+    """In one long document, changing the input token receptive_field() positions before a query changes the
+    output there; one position further back it changes nothing, bit for bit (masked keys weigh exactly 0)."""
+    window = 64
+    rf = receptive_field(TINY, window)
+    assert rf == 2 * 63 + 2 * 31  # layers 0 and 3 long (64), 1 and 2 short (32)
+    model = tiny_model(random=True)
+    inputs = torch.randint(1, TINY.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))
+    inputs[0, 0] = BOS
+    q = 250
+
+    def output_at_q(changed=None):
+        x = inputs.clone()
+        if changed is not None:
+            x[0, changed] = 1 + x[0, changed] % (TINY.vocab_size - 1)  # another token, never BOS
+        with torch.no_grad():
+            return model.hidden_states(x, torch.tensor(window))[0, q]
+
+    base = output_at_q()
+    assert not torch.equal(output_at_q(q - rf), base)
+    assert torch.equal(output_at_q(q - rf - 1), base)

@@ -289,14 +289,16 @@ def test_impossible_values_are_refused(flag, value, words):
 def test_11_val_tokens_not_a_multiple_of_the_validation_batch(jobs, corpus):
     """Not an error, by design: the last validation batch keeps the training shape (one compiled graph) and
     its targets past --val_tokens are -100 (ignored), so exactly --val_tokens tokens are scored and runs with
-    different batch shapes stay comparable."""
+    different batch shapes stay comparable. The smoke preset's window (256) is longer than half the 128-token
+    sequence, so each sequence after the first repeats 64 tokens (--val_context=-1) and scores 64 new ones."""
     result = jobs.result("base")
     assert result.returncode == 0, output(result)
-    assert "validation 3 steps" in result.stdout and "val_loss:" in result.stdout
-    loader = ValLoader(corpus.val, val_tokens=300, seq_len=128, device_batch_size=1, rank=0, world_size=1,
-                       device="cpu")
-    counted = [int((targets != -100).sum()) for _, targets in loader]
-    assert counted == [128, 128, 44] and sum(counted) == 300
+    assert "validation 4 steps (64 tokens of context per sequence)" in result.stdout
+    assert "val_loss:" in result.stdout
+    kwargs = dict(val_tokens=300, seq_len=128, device_batch_size=1, rank=0, world_size=1, device="cpu")
+    for context, want in ((64, [128, 64, 64, 44]), (0, [128, 128, 44])):
+        counted = [int((targets != -100).sum()) for _, targets in ValLoader(corpus.val, context=context, **kwargs)]
+        assert counted == want and sum(counted) == 300
 
 
 # --- case 15: divergence ------------------------------------------------------------------------------------
