@@ -16,6 +16,14 @@ def test_defaults_are_the_record_run():
     assert derive(cfg, world_size=1).grad_accum == 8
 
 
+def test_val_context_resolves_to_the_receptive_field():
+    """-1: long layers 0, 4, 11 reach 1,791 tokens back each, the 8 short ones 895 (layer 7 has no attention);
+    capped at half a sequence; an explicit value is kept."""
+    assert derive(TrainConfig(), world_size=1).val_context == 3 * 1791 + 8 * 895 == 12_533
+    assert derive(TrainConfig(seq_len=16_384), world_size=1).val_context == 8_192
+    assert derive(TrainConfig(val_context=0), world_size=1).val_context == 0
+
+
 def test_both_flag_spellings_and_preset_then_flags():
     cfg = parse_config(TrainConfig, ["--preset", "smoke", "--seq_len=512", "--num_iterations", "7",
                                      "--compile=1", "--cooldown_frac", "0.5"], PRESETS)

@@ -277,6 +277,9 @@ def test_25_bad_id_in_the_validation_shard(corpus):
      "it, or --no_mlp_layers=''"),
     ("long_window_layers", "0;4", "--long_window_layers='0;4' must be comma-separated layer numbers, e.g. "
      "--long_window_layers=0,7, or --long_window_layers=auto"),
+    ("val_context", 49152, "--val_context=49152 must be from 0 to --seq_len - 1 = 49151, or -1 for the model's "
+     "receptive field"),
+    ("val_context", -2, "--val_context=-2 must be from 0"),
 ])
 def test_impossible_values_are_refused(flag, value, words):
     cfg = train_gpt2.TrainConfig(**{flag: value})
