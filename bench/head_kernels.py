@@ -27,6 +27,7 @@ N, V, SOFTCAP = 48 * 1024, 50304, 15.0
 GRAD_TILES = [(64, 128, 8), (32, 256, 4), (16, 512, 4), (8, 1024, 4)]
 TRANSPOSE_TILES = [(64, 64, 4), (128, 128, 8), (64, 128, 4), (128, 64, 4), (256, 64, 8), (32, 32, 4)]
 
+
 def median_ms(fn) -> float:
     for _ in range(WARMUP):
         fn()
@@ -70,11 +71,11 @@ def main():
         "forward_min_bytes": 2 * N * V, "backward_min_bytes": 4 * N * V,
         "forward_ms": {"inductor": median_ms(lambda: compiled_forward(logits_NV, targets_N, SOFTCAP)),
                        "triton": median_ms(lambda: head_kernels.lse_and_loss(logits_NV, targets_N, SOFTCAP))},
-        "backward_fp8_ms": {"inductor": median_ms(
-            lambda: compiled_backward(logits_NV, lse_N, targets_N, grad_N, g_scale, SOFTCAP))},
+        "backward_fp8_ms": {
+            "inductor": median_ms(lambda: compiled_backward(logits_NV, lse_N, targets_N, grad_N, g_scale, SOFTCAP)),
+            "triton": median_ms(
+                lambda: head_kernels.logits_grad_fp8(logits_NV, lse_N, targets_N, grad_N, g_scale, SOFTCAP))},
     }
-    result["backward_fp8_ms"]["triton"] = median_ms(
-        lambda: head_kernels.logits_grad_fp8(logits_NV, lse_N, targets_N, grad_N, g_scale, SOFTCAP))
 
     g8_NV = torch.empty((N, V), dtype=torch.float8_e5m2, device="cuda")
     g8t_VN = torch.empty((V, N), dtype=torch.float8_e5m2, device="cuda")
