@@ -93,6 +93,8 @@ def main():
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--steps", type=int, default=40, help=f"throughput: steps to run (>= {MIN_STEPS})")
+    ap.add_argument("--keep", default="", help="copy the run folder (log, metrics, checkpoints, profiler trace) here; "
+                                               "it is deleted otherwise")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)  # what follows `--` goes to train_gpt2.py as is
     args = ap.parse_args(argv[:split])
@@ -114,6 +116,8 @@ def main():
         head, metrics, lines = read_run(log_dir)
         for table in log_dir.glob("*/profile_step*.txt"):  # a --profile_step run's kernel table
             shutil.copy(table, Path(args.out).with_suffix(f".{table.stem}.txt"))
+        if args.keep:
+            shutil.copytree(log_dir, args.keep, dirs_exist_ok=True)
 
     cfg, mcfg = head["config"], head["model_config"]
     tokens_per_step = cfg["batch_size"] * cfg["seq_len"]

@@ -4,6 +4,7 @@ import shutil
 import signal
 import time
 import uuid
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -59,7 +60,9 @@ def profiled(fn, step: int, out_dir: Path | None):
         if cuda:
             busy_ms, span_ms = kernel_busy_ms(trace)
             table = (f"step {step + 1}: {wall_ms:.1f} ms wall under the profiler; GPU kernels busy {busy_ms:.1f} ms "
-                     f"of the {span_ms:.1f} ms from the first kernel to the last ({busy_ms / span_ms:.0%})\n" + table)
+                     f"of the {span_ms:.1f} ms from the first kernel to the last ({busy_ms / span_ms:.0%})\n" + table
+                     + "\n\nGPU time by the code that launched it:\n"
+                     + launch_sites_table(trace))
         (out_dir / f"profile_step{step + 1}.txt").write_text(table)
     return result
 
@@ -79,6 +82,54 @@ def kernel_busy_ms(chrome_trace: Path) -> tuple[float, float]:
         end = max(end, e)
     busy += end - start
     return busy / 1e3, (end - first) / 1e3
+
+
+GPU_WORK = ("kernel", "gpu_memset", "gpu_memcpy")  # trace categories of work that runs on the GPU
+LAUNCHES = ("cuda_runtime", "cuda_driver")  # the CPU calls that queue it (cudaLaunchKernel, cuLaunchKernelEx, ...)
+CPU_SPANS = ("cpu_op", "user_annotation")  # aten ops and autograd nodes; record_function ranges such as a compiled
+# graph's "## Call CompiledFxGraph ... ##"
+
+
+def launch_sites(chrome_trace: Path) -> dict[tuple[tuple[str, ...], str], list]:
+    """{(CPU ops open at the launch, outermost first; GPU event name): [count, ms]} from a torch.profiler Chrome trace.
+
+    The kernel table says which kernels took the time; this says which code queued them, so that eager glue,
+    memsets and copies can be traced to an aten op, an autograd node or a compiled graph. A GPU event carries the
+    correlation id of the runtime call that launched it; the CPU ops open on that call's thread at that moment
+    enclose it (the autograd engine runs the backward on threads of its own)."""
+    events = json.loads(Path(chrome_trace).read_text())["traceEvents"]
+    by_thread = defaultdict(list)  # (pid, tid) -> [(ts, kind, -dur, event)]: ops sort before the launches they enclose
+    for e in events:
+        if e.get("cat") in CPU_SPANS and "dur" in e:
+            by_thread[e.get("pid"), e.get("tid")].append((e["ts"], 0, -e["dur"], e))
+        elif e.get("cat") in LAUNCHES and "correlation" in e.get("args", {}):
+            by_thread[e.get("pid"), e.get("tid")].append((e["ts"], 1, 0, e))
+    path_of = {}  # correlation id -> names of the enclosing ops
+    for items in by_thread.values():
+        stack = []
+        for ts, is_launch, _, e in sorted(items, key=lambda item: item[:3]):
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= ts:
+                stack.pop()
+            if is_launch:
+                path_of[e["args"]["correlation"]] = tuple(op["name"] for op in stack) or ("(no CPU op)",)
+            else:
+                stack.append(e)
+    sites = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") in GPU_WORK and "dur" in e:
+            path = path_of.get(e.get("args", {}).get("correlation"), ("(launch not traced)",))
+            site = sites[path, e["name"]]
+            site[0] += 1
+            site[1] += e["dur"] / 1e3
+    return dict(sites)
+
+
+def launch_sites_table(chrome_trace: Path, rows: int = 40) -> str:
+    sites = sorted(launch_sites(chrome_trace).items(), key=lambda item: -item[1][1])
+    lines = [f"{'ms':>8} {'count':>6}  CPU ops open at the launch (outermost first): GPU event"]
+    for (path, name), (count, ms) in sites[:rows]:
+        lines.append(f"{ms:8.2f} {count:6d}  {' > '.join(op[:50] for op in path)}: {name[:70]}")
+    return "\n".join(lines) + "\n"
 
 
 class StopRequest:

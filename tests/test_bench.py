@@ -1,5 +1,7 @@
 """bench/run.py: how per-step times and the validation context come out of a run's log, and the guard on too few
 timed steps."""
+import glob
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -31,3 +33,29 @@ def test_throughput_refuses_too_few_steps(tmp_path):
     assert proc.returncode == 2
     assert f"use --steps={MIN_STEPS} or more" in proc.stderr
     assert not (tmp_path / "out.json").exists()
+
+
+def test_speedrun_on_the_cpu_writes_its_rows_and_keeps_the_run_folder(tmp_path):
+    """The harness end to end, as a GPU session runs it, on the sample corpus named like FineWeb shards: the
+    JSON holds the config and one row per validation, and --keep leaves the run folder for later inspection."""
+    from data.prepare import ensure_sample_shards
+
+    train_glob, val_glob = ensure_sample_shards()
+    data = tmp_path / "data"
+    data.mkdir()
+    for kind, pattern in (("train", train_glob), ("val", val_glob)):
+        for i, shard in enumerate(sorted(glob.glob(pattern))):
+            (data / f"fineweb_{kind}_{i:06d}.bin").symlink_to(shard)
+    out, keep = tmp_path / "run.json", tmp_path / "kept"
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "speedrun", "--data", str(data), "--out", str(out),
+                           "--keep", str(keep), "--", "--preset=smoke", "--num_iterations=4", "--val_loss_every=2",
+                           "--val_tokens=1024", "--warmup_steps=0", "--log_every=1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["mode"] == "speedrun" and result["world_size"] == 1
+    assert result["config"]["tokens_per_step"] == 2 * 256 and result["config"]["val_context"] > 0
+    assert [row["step"] for row in result["val_rows"]] == [0, 2, 4]
+    assert result["val_rows"][0]["val_loss"] > result["val_rows"][-1]["val_loss"] > 0
+    (run_folder,) = keep.iterdir()
+    assert {"log.txt", "metrics.jsonl"} <= {p.name for p in run_folder.iterdir()}

@@ -113,6 +113,39 @@ def test_kernel_busy_time_merges_overlaps(tmp_path):
     assert kernel_busy_ms(trace) == (2.0, 3.5)  # [0, 1500] + [3000, 3500] busy, of [0, 3500]
 
 
+def test_launch_sites_attribute_gpu_time_to_the_enclosing_cpu_ops(tmp_path):
+    """Each GPU event is charged to the CPU ops open on its launching thread when its runtime call ran, found
+    through the correlation id; other threads' ops do not enclose it."""
+    from runtime.run import launch_sites
+
+    def op(name, ts, dur, tid=1, cat="cpu_op"):
+        return {"cat": cat, "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur}
+
+    def launch(corr, ts, tid=1, cat="cuda_runtime"):
+        return {"cat": cat, "name": "cudaLaunchKernel", "pid": 7, "tid": tid, "ts": ts, "dur": 2,
+                "args": {"correlation": corr}}
+
+    def gpu(corr, name, dur, cat="kernel"):
+        return {"cat": cat, "name": name, "pid": 0, "tid": 9, "ts": 1000 + corr, "dur": dur, "args": {"correlation": corr}}
+
+    events = [op("step", 0, 100, cat="user_annotation"), op("aten::mul", 10, 10), launch(1, 12),
+              op("aten::zero_", 30, 10), launch(2, 31), launch(3, 35),
+              op("EmbeddingBackward0", 30, 50, tid=2), launch(4, 60, tid=2, cat="cuda_driver"),
+              launch(5, 200),  # after every op on its thread
+              gpu(1, "mul_kernel", 1000), gpu(2, "Memset (Device)", 500, cat="gpu_memset"),
+              gpu(3, "Memset (Device)", 250, cat="gpu_memset"), gpu(4, "triton_scatter", 2000),
+              gpu(5, "late_kernel", 100), gpu(6, "orphan", 300)]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events[::-1]}))  # the order in the file does not matter
+    assert launch_sites(trace) == {
+        (("step", "aten::mul"), "mul_kernel"): [1, 1.0],
+        (("step", "aten::zero_"), "Memset (Device)"): [2, 0.75],
+        (("EmbeddingBackward0",), "triton_scatter"): [1, 2.0],
+        (("(no CPU op)",), "late_kernel"): [1, 0.1],
+        (("(launch not traced)",), "orphan"): [1, 0.3],
+    }
+
+
 def test_logged_commit_prefers_the_environment(monkeypatch):
     """An exported copy of the code names its commit with SPEEDRUN_GIT_COMMIT, even inside another checkout."""
     from runtime.logger import versions
