@@ -15,8 +15,10 @@ import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -363,6 +365,16 @@ def base_run(jobs):
     return run_dir
 
 
+def flip_a_bit_in_the_largest_record(path: Path) -> None:
+    """Damage a checkpoint the way a bad disk or copy would: one bit inside the tensor data, the zip intact."""
+    with zipfile.ZipFile(path) as archive:
+        record = max(archive.infolist(), key=lambda info: info.file_size)
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[record.header_offset + 26:record.header_offset + 30])
+    data[record.header_offset + 30 + name_len + extra_len + record.file_size // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
 def test_17_resume_of_a_damaged_checkpoint(base_run, corpus, tmp_path):
     before = snapshot(base_run)
     truncated = tmp_path / "copy" / "ckpt_000002.pt"
@@ -372,13 +384,22 @@ def test_17_resume_of_a_damaged_checkpoint(base_run, corpus, tmp_path):
     shutil.copytree(base_run, folder)
     newest = folder / "ckpt_000002.pt"
     newest.write_bytes(b"\0" * 4096 + newest.read_bytes()[4096:])
-    with ThreadPoolExecutor(2) as pool:
-        file_result, folder_result = pool.map(run, [train_cmd(corpus, tmp_path / "logs", *BASE, f"--resume={p}")
-                                                    for p in (truncated, folder)])
+    flipped = tmp_path / "flipped" / "ckpt_000002.pt"
+    flipped.parent.mkdir()
+    shutil.copy(base_run / "ckpt_000002.pt", flipped)
+    flip_a_bit_in_the_largest_record(flipped)
+    # torch.load alone takes the flipped bit for a weight: only the CRC check can refuse it
+    loaded, intact = (torch.load(p, weights_only=False)["model"] for p in (flipped, base_run / "ckpt_000002.pt"))
+    assert sum(not torch.equal(loaded[k], intact[k]) for k in intact) == 1
+    with ThreadPoolExecutor(3) as pool:
+        file_result, folder_result, flipped_result = pool.map(
+            run, [train_cmd(corpus, tmp_path / "logs", *BASE, f"--resume={p}") for p in (truncated, folder, flipped)])
     assert_user_error(file_result, 2, f"--resume {truncated}: the checkpoint is truncated or corrupt",
                       f"resume from an earlier ckpt_<step>.pt in {truncated.parent}")
     assert_user_error(folder_result, 2, f"--resume {newest}: the checkpoint is truncated or corrupt",
                       f"resume from an earlier ckpt_<step>.pt in {folder}")
+    assert_user_error(flipped_result, 2, f"--resume {flipped}: the checkpoint is truncated or corrupt (BadZipFile)",
+                      f"resume from an earlier ckpt_<step>.pt in {flipped.parent}")
     assert not (tmp_path / "logs").exists()
     assert snapshot(base_run) == before
     assert checkpoint.load_checkpoint(folder / "ckpt_000001.pt")["step"] == 1  # the spare is still good
