@@ -354,7 +354,8 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
     # 6. resume: continue exactly where a checkpoint left off
     start_step, train_time_ms = 0, 0.0
     if cfg.resume:
-        state = checkpoint.load_checkpoint(cfg.resume, map_location=device)  # its config passed check_resume
+        # check_resume has checked its config and its bytes already
+        state = checkpoint.load_checkpoint(cfg.resume, map_location=device, verify=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         train_loader.load_state_dict(state["loader"])

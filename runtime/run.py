@@ -58,19 +58,19 @@ def profiled(fn, step: int, out_dir: Path | None):
         trace = out_dir / f"profile_step{step + 1}.json"
         prof.export_chrome_trace(str(trace))
         if cuda:
-            busy_ms, span_ms = kernel_busy_ms(trace)
+            events = json.loads(trace.read_text())["traceEvents"]  # read once: a GPU step's trace is large
+            busy_ms, span_ms = kernel_busy_ms(events)
             table = (f"step {step + 1}: {wall_ms:.1f} ms wall under the profiler; GPU kernels busy {busy_ms:.1f} ms "
                      f"of the {span_ms:.1f} ms from the first kernel to the last ({busy_ms / span_ms:.0%})\n" + table
                      + "\n\nGPU time by the code that launched it:\n"
-                     + launch_sites_table(trace))
+                     + launch_sites_table(events))
         (out_dir / f"profile_step{step + 1}.txt").write_text(table)
     return result
 
 
-def kernel_busy_ms(chrome_trace: Path) -> tuple[float, float]:
+def kernel_busy_ms(events: list[dict]) -> tuple[float, float]:
     """(time covered by at least one GPU kernel, time from the first kernel's start to the last one's end), in ms,
-    from a torch.profiler Chrome trace."""
-    events = json.loads(chrome_trace.read_text())["traceEvents"]
+    from the events of a torch.profiler Chrome trace."""
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e)
     if not spans:
         return 0.0, 0.0
@@ -90,14 +90,14 @@ CPU_SPANS = ("cpu_op", "user_annotation")  # aten ops and autograd nodes; record
 # graph's "## Call CompiledFxGraph ... ##"
 
 
-def launch_sites(chrome_trace: Path) -> dict[tuple[tuple[str, ...], str], list]:
-    """{(CPU ops open at the launch, outermost first; GPU event name): [count, ms]} from a torch.profiler Chrome trace.
+def launch_sites(events: list[dict]) -> dict[tuple[tuple[str, ...], str], list]:
+    """{(CPU ops open at the launch, outermost first; GPU event name): [count, ms]} from the events of a
+    torch.profiler Chrome trace.
 
     The kernel table says which kernels took the time; this says which code queued them, so that eager glue,
     memsets and copies can be traced to an aten op, an autograd node or a compiled graph. A GPU event carries the
     correlation id of the runtime call that launched it; the CPU ops open on that call's thread at that moment
     enclose it (the autograd engine runs the backward on threads of its own)."""
-    events = json.loads(Path(chrome_trace).read_text())["traceEvents"]
     by_thread = defaultdict(list)  # (pid, tid) -> [(ts, kind, -dur, event)]: ops sort before the launches they enclose
     for e in events:
         if e.get("cat") in CPU_SPANS and "dur" in e:
@@ -124,8 +124,8 @@ def launch_sites(chrome_trace: Path) -> dict[tuple[tuple[str, ...], str], list]:
     return dict(sites)
 
 
-def launch_sites_table(chrome_trace: Path, rows: int = 40) -> str:
-    sites = sorted(launch_sites(chrome_trace).items(), key=lambda item: -item[1][1])
+def launch_sites_table(events: list[dict], rows: int = 40) -> str:
+    sites = sorted(launch_sites(events).items(), key=lambda item: -item[1][1])
     lines = [f"{'ms':>8} {'count':>6}  CPU ops open at the launch (outermost first): GPU event"]
     for (path, name), (count, ms) in sites[:rows]:
         lines.append(f"{ms:8.2f} {count:6d}  {' > '.join(op[:50] for op in path)}: {name[:70]}")

@@ -102,18 +102,16 @@ def test_profile_step_writes_table_and_trace(tmp_path):
     assert json.loads((run_dir / "profile_step2.json").read_text())["traceEvents"]
 
 
-def test_kernel_busy_time_merges_overlaps(tmp_path):
+def test_kernel_busy_time_merges_overlaps():
     """GPU busy time is the union of kernel intervals; the span runs from the first start to the last end."""
     from runtime.run import kernel_busy_ms
 
     kernels = [(0, 1000), (500, 1000), (3000, 500), (3200, 100)]  # (start, duration) in us; two overlaps
     events = [{"cat": "kernel", "ts": ts, "dur": dur} for ts, dur in kernels] + [{"cat": "cpu_op", "ts": 0, "dur": 9e6}]
-    trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"traceEvents": events}))
-    assert kernel_busy_ms(trace) == (2.0, 3.5)  # [0, 1500] + [3000, 3500] busy, of [0, 3500]
+    assert kernel_busy_ms(events) == (2.0, 3.5)  # [0, 1500] + [3000, 3500] busy, of [0, 3500]
 
 
-def test_launch_sites_attribute_gpu_time_to_the_enclosing_cpu_ops(tmp_path):
+def test_launch_sites_attribute_gpu_time_to_the_enclosing_cpu_ops():
     """Each GPU event is charged to the CPU ops open on its launching thread when its runtime call ran, found
     through the correlation id; other threads' ops do not enclose it."""
     from runtime.run import launch_sites
@@ -135,9 +133,7 @@ def test_launch_sites_attribute_gpu_time_to_the_enclosing_cpu_ops(tmp_path):
               gpu(1, "mul_kernel", 1000), gpu(2, "Memset (Device)", 500, cat="gpu_memset"),
               gpu(3, "Memset (Device)", 250, cat="gpu_memset"), gpu(4, "triton_scatter", 2000),
               gpu(5, "late_kernel", 100), gpu(6, "orphan", 300)]
-    trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"traceEvents": events[::-1]}))  # the order in the file does not matter
-    assert launch_sites(trace) == {
+    assert launch_sites(events[::-1]) == {  # the order in the file does not matter
         (("step", "aten::mul"), "mul_kernel"): [1, 1.0],
         (("step", "aten::zero_"), "Memset (Device)"): [2, 0.75],
         (("EmbeddingBackward0",), "triton_scatter"): [1, 2.0],
