@@ -101,9 +101,11 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
+    # RNG states are CPU byte tensors whatever the generator, but a checkpoint loaded with map_location="cuda"
+    # (a resume) brings them to the GPU, where set_rng_state refuses them
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def config_diff(saved: dict, current: dict, ignore: set[str]) -> list[str]:
