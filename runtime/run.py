@@ -124,10 +124,29 @@ def launch_sites(events: list[dict]) -> dict[tuple[tuple[str, ...], str], list]:
     return dict(sites)
 
 
+COMPILED_GRAPH = "## Call CompiledFxGraph"  # the record_function range inductor opens around a compiled graph's call
+
+
+def by_innermost_op(sites: dict) -> tuple[list, dict[str, list]]:
+    """(GPU time launched inside compiled graphs as [count, ms]; {innermost CPU op: [count, ms]} for the rest):
+    the eager glue between compiled regions, named by the aten op or autograd node that launched it."""
+    compiled, eager = [0, 0.0], defaultdict(lambda: [0, 0.0])
+    for (path, _), (count, ms) in sites.items():
+        total = compiled if any(op.startswith(COMPILED_GRAPH) for op in path) else eager[path[-1]]
+        total[0] += count
+        total[1] += ms
+    return compiled, dict(eager)
+
+
 def launch_sites_table(events: list[dict], rows: int = 40) -> str:
-    sites = sorted(launch_sites(events).items(), key=lambda item: -item[1][1])
-    lines = [f"{'ms':>8} {'count':>6}  CPU ops open at the launch (outermost first): GPU event"]
-    for (path, name), (count, ms) in sites[:rows]:
+    sites = launch_sites(events)
+    (compiled_count, compiled_ms), eager = by_innermost_op(sites)
+    lines = [f"inside compiled graphs: {compiled_ms:.2f} ms ({compiled_count} launches); outside them "
+             f"{sum(ms for _, ms in eager.values()):.2f} ms, by the innermost CPU op:"]
+    for name, (count, ms) in sorted(eager.items(), key=lambda item: -item[1][1])[:rows]:
+        lines.append(f"{ms:8.2f} {count:6d}  {name[:120]}")
+    lines += ["", f"{'ms':>8} {'count':>6}  CPU ops open at the launch (outermost first): GPU event"]
+    for (path, name), (count, ms) in sorted(sites.items(), key=lambda item: -item[1][1])[:rows]:
         lines.append(f"{ms:8.2f} {count:6d}  {' > '.join(op[:50] for op in path)}: {name[:70]}")
     return "\n".join(lines) + "\n"
 

@@ -126,11 +126,9 @@ def test_kernel_busy_time_merges_overlaps():
     assert kernel_busy_ms(events) == (2.0, 3.5)  # [0, 1500] + [3000, 3500] busy, of [0, 3500]
 
 
-def test_launch_sites_attribute_gpu_time_to_the_enclosing_cpu_ops():
-    """Each GPU event is charged to the CPU ops open on its launching thread when its runtime call ran, found
-    through the correlation id; other threads' ops do not enclose it."""
-    from runtime.run import launch_sites
-
+def synthetic_trace() -> list[dict]:
+    """A Chrome trace's events in torch.profiler's format: ops on two threads, a compiled graph's range, launches
+    inside and outside them, and a GPU event whose launch is missing."""
     def op(name, ts, dur, tid=1, cat="cpu_op"):
         return {"cat": cat, "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur}
 
@@ -141,20 +139,46 @@ def test_launch_sites_attribute_gpu_time_to_the_enclosing_cpu_ops():
     def gpu(corr, name, dur, cat="kernel"):
         return {"cat": cat, "name": name, "pid": 0, "tid": 9, "ts": 1000 + corr, "dur": dur, "args": {"correlation": corr}}
 
-    events = [op("step", 0, 100, cat="user_annotation"), op("aten::mul", 10, 10), launch(1, 12),
-              op("aten::zero_", 30, 10), launch(2, 31), launch(3, 35),
-              op("EmbeddingBackward0", 30, 50, tid=2), launch(4, 60, tid=2, cat="cuda_driver"),
-              launch(5, 200),  # after every op on its thread
-              gpu(1, "mul_kernel", 1000), gpu(2, "Memset (Device)", 500, cat="gpu_memset"),
-              gpu(3, "Memset (Device)", 250, cat="gpu_memset"), gpu(4, "triton_scatter", 2000),
-              gpu(5, "late_kernel", 100), gpu(6, "orphan", 300)]
-    assert launch_sites(events[::-1]) == {  # the order in the file does not matter
+    return [op("step", 0, 100, cat="user_annotation"), op("aten::mul", 10, 10), launch(1, 12),
+            op("aten::zero_", 30, 10), launch(2, 31), launch(3, 35),
+            op("EmbeddingBackward0", 30, 50, tid=2), launch(4, 60, tid=2, cat="cuda_driver"),
+            op("## Call CompiledFxGraph fabc ##", 150, 20, cat="user_annotation"), op("aten::mm", 152, 5),
+            launch(7, 153), launch(8, 160),
+            launch(5, 200),  # after every op on its thread
+            gpu(1, "mul_kernel", 1000), gpu(2, "Memset (Device)", 500, cat="gpu_memset"),
+            gpu(3, "Memset (Device)", 250, cat="gpu_memset"), gpu(4, "triton_scatter", 2000),
+            gpu(5, "late_kernel", 100), gpu(6, "orphan", 300), gpu(7, "nvjet_gemm", 4000), gpu(8, "triton_poi", 600)]
+
+
+def test_launch_sites_attribute_gpu_time_to_the_enclosing_cpu_ops():
+    """Each GPU event is charged to the CPU ops open on its launching thread when its runtime call ran, found
+    through the correlation id; other threads' ops do not enclose it."""
+    from runtime.run import launch_sites
+
+    graph = "## Call CompiledFxGraph fabc ##"
+    assert launch_sites(synthetic_trace()[::-1]) == {  # the order in the file does not matter
         (("step", "aten::mul"), "mul_kernel"): [1, 1.0],
         (("step", "aten::zero_"), "Memset (Device)"): [2, 0.75],
         (("EmbeddingBackward0",), "triton_scatter"): [1, 2.0],
+        ((graph, "aten::mm"), "nvjet_gemm"): [1, 4.0],
+        ((graph,), "triton_poi"): [1, 0.6],
         (("(no CPU op)",), "late_kernel"): [1, 0.1],
         (("(launch not traced)",), "orphan"): [1, 0.3],
     }
+
+
+def test_launch_sites_split_compiled_graphs_from_eager_glue():
+    """The table's summary: GPU time launched inside compiled graphs, and the rest by the innermost CPU op (the
+    eager glue to remove), largest first."""
+    from runtime.run import by_innermost_op, launch_sites, launch_sites_table
+
+    compiled, eager = by_innermost_op(launch_sites(synthetic_trace()))
+    assert compiled == [2, 4.6]
+    assert eager == {"aten::mul": [1, 1.0], "aten::zero_": [2, 0.75], "EmbeddingBackward0": [1, 2.0],
+                     "(no CPU op)": [1, 0.1], "(launch not traced)": [1, 0.3]}
+    lines = launch_sites_table(synthetic_trace()).splitlines()
+    assert lines[0] == "inside compiled graphs: 4.60 ms (2 launches); outside them 4.15 ms, by the innermost CPU op:"
+    assert lines[1].split() == ["2.00", "1", "EmbeddingBackward0"] and lines[2].split() == ["1.00", "1", "aten::mul"]
 
 
 def test_logged_commit_prefers_the_environment(monkeypatch):
