@@ -124,6 +124,7 @@ DIVERGED_EXIT = 3  # exit status when the loss or the weights become inf/nan (2 
 
 @dataclasses.dataclass(frozen=True)
 class Derived:
+    model: GPTConfig  # the model's config, from the flags
     grad_accum: int  # micro-steps per optimizer step on each rank
     tokens_per_step: int  # all ranks together
     val_context: int  # tokens each validation sequence repeats from the one before (data/loader.py, ValLoader)
@@ -165,8 +166,8 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
     val_context = cfg.val_context
     if val_context == -1:
         val_context = min(receptive_field(mcfg, cfg.window_max_tokens), cfg.seq_len // 2)
-    return Derived(grad_accum=cfg.batch_size // per_micro_step, tokens_per_step=cfg.batch_size * cfg.seq_len,
-                   val_context=val_context)
+    return Derived(model=mcfg, grad_accum=cfg.batch_size // per_micro_step,
+                   tokens_per_step=cfg.batch_size * cfg.seq_len, val_context=val_context)
 
 
 def check_resume(cfg: TrainConfig) -> None:
@@ -275,7 +276,7 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
     # ----------------------------------------------------------------------------------------------
     # 4. model and optimizer
     torch.manual_seed(cfg.seed)
-    mcfg = model_config(cfg)
+    mcfg = derived.model
     model = GPT(mcfg).to(device)
     model.init_weights()
     dist.use_device_paths(model, device, fp8_head=cfg.fp8_head)
