@@ -18,7 +18,7 @@ from data.tokenizer import get_encoding
 from evals import hellaswag
 from helpers import random_gpt
 from model.gpt import GPT, GPTConfig
-from runtime.dist import Runtime
+from runtime.dist import Runtime, use_device_paths
 
 TINY_FILE = Path(__file__).parent / "data" / "hellaswag_tiny.jsonl"
 # real GPT-2 token ids need the full (padded) vocabulary; the rest is as small as the model allows
@@ -93,22 +93,30 @@ def test_ending_losses_match_the_closed_form_of_the_bag_model():
     assert expected[0] < expected[1] < expected[2]
 
 
-def test_ending_losses_match_unpadded_logits():
-    """Padding to the block, unused rows and the window must not change the losses of the real tokens."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ending_losses_match_unpadded_logits(device):
+    """Padding to the block, unused rows and the window must not change the losses of the real tokens. On CUDA
+    the scored model runs as an evaluation does there (FlexAttention, bf16 activations) against the fp32 CPU
+    reference: bf16 moved these losses by 0.16% at most when measured on the CPU, so 1% is the bound there."""
     enc = get_encoding()
     model = random_model()
+    scored = model
+    if device == "cuda":
+        scored = random_model().to(device)
+        use_device_paths(scored, torch.device(device))
+        scored.compute_dtype = torch.bfloat16
     long_context = [BOS_ID] + enc.encode_ordinary("The quick brown fox jumps over the lazy dog. " * 14)
     assert 128 < len(long_context) < 256  # the batch pads to two blocks
     rows = [([BOS_ID] + enc.encode_ordinary("A man is sitting on a roof. he"), enc.encode_ordinary(" starts pulling")),
             (long_context, enc.encode_ordinary(" and then runs home to sleep."))]
-    losses = hellaswag.ending_losses(model, rows, num_rows=4, device="cpu")
+    losses = hellaswag.ending_losses(scored, rows, num_rows=4, device=device)
     for (context, ending), loss in zip(rows, losses):
         tokens = torch.tensor([context + ending])
         n = tokens.size(1)
         with torch.no_grad():
             logprobs = F.log_softmax(model.logits(tokens, torch.tensor(2 * n)), dim=-1)[0]
         picked = logprobs[len(context) - 1:n - 1].gather(1, torch.tensor(ending)[:, None])
-        assert loss.item() == pytest.approx(-picked.mean().item(), rel=1e-5)
+        assert loss.item() == pytest.approx(-picked.mean().item(), rel=1e-5 if device == "cpu" else 1e-2)
 
 
 @pytest.mark.parametrize("chosen, accuracy", [([0, 2, 1, 3, 1], 1.0), ([1, 3, 2, 0, 2], 0.0),

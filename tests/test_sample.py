@@ -1,8 +1,10 @@
 """sample.py: greedy decoding against a step-by-step reference, seeds, top-k, and the command line."""
 import dataclasses
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import sample
 from data.shard import BOS_ID
@@ -96,6 +98,33 @@ def test_cli_prints_the_prompt_and_its_continuation(checkpoint, capsys):
     assert sample.main(args + ["--num_samples", "2", "--seed", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "--- sample 1/2" and lines[1].startswith(PROMPT)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_what_generate_feeds_the_model_matches_the_bare_context(checkpoint, device, capsys):
+    """On each device, as sample.py loads the model there: the context padded to a whole block through
+    FlexAttention (generate's way) gives the bare context's next-token logits under the dense-mask path; and the
+    command runs there. CPU math is fp32; on CUDA it is bf16, where the two paths differ by rounding only: 0.048
+    at most, measured on the CPU with bf16 activations (logits up to 15), so 0.15 leaves room and still catches
+    any leak of the padding or a wrong window."""
+    model, config = load_model(str(checkpoint), torch.device(device))
+    prompt = [BOS_ID] + get_encoding().encode_ordinary(" ".join(["fox"] * 40))
+    n = len(prompt)
+    window = torch.tensor(config["window_max_tokens"], device=device)
+    tokens = torch.tensor([prompt], dtype=torch.int32, device=device)
+    padded = F.pad(tokens, (0, math.ceil(n / 128) * 128 - n), value=BOS_ID)
+    with torch.no_grad():
+        model.attention_backend = "flex"
+        flex = model.head.logits(model.hidden_states(padded, window)[:, n - 1])
+        model.attention_backend = "sdpa"
+        dense = model.logits(tokens, window)[:, -1]
+    assert dense.abs().max() > 5  # the random head's logits are far from 0
+    assert (flex - dense).abs().max() < (1e-4 if device == "cpu" else 0.15)
+
+    assert sample.main(["--checkpoint", str(checkpoint), "--prompt", PROMPT, "--max_new_tokens", "6", "--device",
+                        device, "--temperature", "0"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(PROMPT) and len(text) > len(PROMPT) + 1
 
 
 def test_bad_flag_values_name_the_flag(checkpoint):
