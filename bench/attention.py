@@ -10,33 +10,18 @@ the proxy corpus's mean. Both backends must agree (max abs difference of the out
 """
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from bench.timing import median_ms
 from data.shard import BOS_ID, read_shard
 from model.attention import block_mask, document_ids
 
-WARMUP, REPEATS = 3, 10
 T, H, D_HEAD, SCALE, BLOCK = 48 * 1024, 6, 128, 0.12, 128
 WINDOWS = (896, 448)  # bench/run.py's throughput window and its short-window layers' half
 MEAN_DOC = 1000  # synthetic documents only: roughly FineWeb's mean length in GPT-2 tokens
-
-
-def median_ms(fn) -> float:
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return round(statistics.median(times), 3)
 
 
 def tokens(shard: str | None) -> torch.Tensor:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
+from bench.timing import WARMUP, cuda_times_ms
 from data.shard import read_shard
 from model.gpt import GPT, GPTConfig
 
-WARMUP, REPEATS = 3, 10
 
 
 def main():
@@ -44,14 +44,7 @@ def main():
     compile_s = time.perf_counter() - t0
 
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        model(inputs, targets, window).backward()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    times = cuda_times_ms(lambda: model(inputs, targets, window).backward(), warmup=0)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "seq_len": args.seq_len,
               "window": args.window, "compile_and_warmup_s": round(compile_s, 1),
               "fwd_bwd_ms_median": round(statistics.median(times), 2), "fwd_bwd_ms_min": round(min(times), 2),

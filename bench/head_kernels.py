@@ -10,15 +10,14 @@ Each tile shape is a fixed launch configuration, not autotuned: cold compile tim
 """
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import triton
 
+from bench.timing import median_ms
 from model import head, head_kernels
 
-WARMUP, REPEATS = 3, 10
 N, V, SOFTCAP = 48 * 1024, 50304, 15.0
 # The FP8 backward is two kernels: the gradient stored row-major, then its e5m2 transpose. Their tile shapes
 # (rows, columns, warps) swept here; model/head_kernels.py commits the fastest of each.
@@ -26,20 +25,6 @@ N, V, SOFTCAP = 48 * 1024, 50304, 15.0
 # tile, 7.6-10.8 ms at six shapes), which the split replaced.
 GRAD_TILES = [(64, 128, 8), (32, 256, 4), (16, 512, 4), (8, 1024, 4)]
 TRANSPOSE_TILES = [(64, 64, 4), (128, 128, 8), (64, 128, 4), (128, 64, 4), (256, 64, 8), (32, 32, 4)]
-
-
-def median_ms(fn) -> float:
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return round(statistics.median(times), 3)
 
 
 def attempt(fn) -> float | str:

@@ -1,0 +1,26 @@
+"""CUDA-event timing for the micro-benchmarks (bench/attention.py, bench/fwd_bwd.py, bench/head_kernels.py)."""
+import statistics
+
+import torch
+
+WARMUP, REPEATS = 3, 10  # untimed calls first (compile, first launches, allocator growth), then the timed ones
+
+
+def cuda_times_ms(fn, warmup: int = WARMUP, repeats: int = REPEATS) -> list[float]:
+    """Milliseconds of each of `repeats` calls of fn, after `warmup` untimed calls; each timed call lies between
+    two CUDA events and is waited for before the next, so queued work never overlaps the measurement."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def median_ms(fn) -> float:
+    return round(statistics.median(cuda_times_ms(fn)), 3)
