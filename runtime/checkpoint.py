@@ -117,7 +117,9 @@ def config_diff(saved: dict, current: dict, ignore: set[str]) -> list[str]:
 def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
     """The trained GPT from a checkpoint (eval mode, kernels chosen for `device`) and the training config it
     was trained with, for sampling and evaluation."""
-    state = load_checkpoint(path, map_location=device)
+    # onto the CPU and lazily: only the weights are used, and load_state_dict copies them to the device (mapping
+    # the whole file there would also bring the optimizer's moments, two more copies of the weights)
+    state = load_checkpoint(path, mmap=True)
     try:
         model = GPT(GPTConfig(**state["model_config"])).to(device)
         model.load_state_dict(state["model"])
