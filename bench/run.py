@@ -9,7 +9,8 @@ exactly what a user's run would show. Modes (BENCHMARKS.md):
 - throughput: the record config at a fixed attention window of 896 tokens, validation off, one line per step;
   ms/step is the median of per-step times after the first SKIP steps, with the spread around it.
 - speedrun: any train_gpt2.py arguments; records the (step, val loss, train time) rows.
-Both record the cold start: seconds from launch to the end of the compile warm-up.
+Both record the cold start: seconds from launch to the end of the compile warm-up, and whether it was strictly
+cold (no files in the compile caches when the run started).
 """
 import argparse
 import glob
@@ -78,6 +79,16 @@ def per_step_ms(metrics: list[dict], profiled_step: int = 0) -> list[float]:
             if b["step"] == a["step"] + 1 and b["step"] != profiled_step]
 
 
+def compile_cache_files() -> dict[str, int]:
+    """{cache folder: files in it} for inductor's cache (compiled graphs and their kernels) and Triton's own (the
+    head's hand-written kernels), read before the run starts: all 0 means the start was strictly cold."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    triton = os.environ.get("TRITON_CACHE_DIR") or os.path.join(
+        os.environ.get("TRITON_HOME") or os.path.expanduser("~"), ".triton", "cache")
+    return {folder: sum(len(files) for _, _, files in os.walk(folder)) for folder in (cache_dir(), triton)}
+
+
 def memory(lines: list[str]) -> dict:
     for line in lines:
         if line.startswith("peak memory allocated:"):
@@ -112,6 +123,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         log_dir = Path(tmp) / "logs"
         console = Path(args.out).with_suffix(".console.txt")
+        cached = compile_cache_files()
         wall, warm = launch(args.nproc, data + mode_args + args.train_args, log_dir, console)
         head, metrics, lines = read_run(log_dir)
         for table in log_dir.glob("*/profile_step*.txt"):  # a --profile_step run's kernel table
@@ -130,6 +142,7 @@ def main():
                    "seq_len": cfg["seq_len"], "window_tokens": [cfg["window_min_tokens"], cfg["window_max_tokens"]],
                    "compile": cfg["compile"], "val_context": val_context(lines)},
         "startup_to_warm_s": round(warm, 1) if warm else None, "wall_s": round(wall, 1),
+        "compile_cache_files_at_start": cached, "strictly_cold": not any(cached.values()),
         "warmup_line": next((l for l in lines if l.startswith("warm-up:")), None), **memory(lines),
     }
     if args.mode == "throughput":

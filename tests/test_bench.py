@@ -2,6 +2,7 @@
 timed steps."""
 import glob
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,19 @@ def test_val_context_from_the_run_folder_line():
     line = "run folder logs/x | 1 process(es) on cpu | grad accumulation 1 | validation 4 steps ({} per sequence)"
     assert val_context(["warm-up: ...", line.format("64 tokens of context")]) == 64
     assert val_context([line.replace(" ({} per sequence)", "")]) == 0
+
+
+def test_compile_caches_are_counted(tmp_path, monkeypatch):
+    """A start counts as strictly cold only when inductor's and Triton's caches hold no file."""
+    from bench.run import compile_cache_files
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    assert compile_cache_files() == {str(tmp_path / "inductor"): 0, str(tmp_path / "triton"): 0}
+    (tmp_path / "inductor" / "fxgraph" / "ab").mkdir(parents=True)
+    for name in ("x", "y"):
+        (tmp_path / "inductor" / "fxgraph" / "ab" / name).write_text("")
+    assert compile_cache_files() == {str(tmp_path / "inductor"): 2, str(tmp_path / "triton"): 0}
 
 
 def test_throughput_refuses_too_few_steps(tmp_path):
@@ -50,10 +64,15 @@ def test_speedrun_on_the_cpu_writes_its_rows_and_keeps_the_run_folder(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.run", "speedrun", "--data", str(data), "--out", str(out),
                            "--keep", str(keep), "--", "--preset=smoke", "--num_iterations=4", "--val_loss_every=2",
                            "--val_tokens=1024", "--warmup_steps=0", "--log_every=1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=180)
+                          cwd=REPO, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+                               "TRITON_CACHE_DIR": str(tmp_path / "triton")})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["mode"] == "speedrun" and result["world_size"] == 1
+    # counted before the launch, in the test's own cache folders (below), which did not exist yet
+    assert result["compile_cache_files_at_start"] == {str(tmp_path / "inductor"): 0, str(tmp_path / "triton"): 0}
+    assert result["strictly_cold"] is True
     assert result["config"]["tokens_per_step"] == 2 * 256 and result["config"]["val_context"] > 0
     assert [row["step"] for row in result["val_rows"]] == [0, 2, 4]
     assert result["val_rows"][0]["val_loss"] > result["val_rows"][-1]["val_loss"] > 0
