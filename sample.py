@@ -39,6 +39,13 @@ def pick(logits_BV: torch.Tensor, temperature: float, top_k: int, generator: tor
     return torch.multinomial(torch.softmax(logits_BV, dim=-1), 1, generator=generator)[:, 0]
 
 
+def pad_to_block(tokens_BN: torch.Tensor, block: int) -> torch.Tensor:
+    """The context padded with BOS to a whole attention block (FlexAttention's unit); causal attention never looks
+    at the padding, so the real positions' outputs do not change."""
+    n = tokens_BN.size(1)
+    return torch.nn.functional.pad(tokens_BN, (0, math.ceil(n / block) * block - n), value=BOS_ID)
+
+
 @torch.no_grad()
 def generate(model: GPT, prompt: list[int], *, max_new_tokens: int, temperature: float, top_k: int,
              num_samples: int, window: int, max_context: int, generator: torch.Generator) -> list[list[int]]:
@@ -55,10 +62,7 @@ def generate(model: GPT, prompt: list[int], *, max_new_tokens: int, temperature:
     ended_B = torch.zeros(num_samples, dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
         context_BN = tokens_BN[:, -max_context:]
-        n = context_BN.size(1)
-        # pad with BOS to a whole block (FlexAttention's unit); causal attention never looks at the padding
-        inputs_BT = torch.nn.functional.pad(context_BN, (0, math.ceil(n / block) * block - n), value=BOS_ID)
-        hidden_BD = model.hidden_states(inputs_BT, window_t)[:, n - 1]
+        hidden_BD = model.hidden_states(pad_to_block(context_BN, block), window_t)[:, context_BN.size(1) - 1]
         logits_BV = model.head.logits(hidden_BD)[:, :TEXT_VOCAB]
         next_B = pick(logits_BV, temperature, top_k, generator)
         tokens_BN = torch.cat([tokens_BN, next_B[:, None].to(tokens_BN.dtype)], dim=1)

@@ -356,7 +356,7 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
     start_step, train_time_ms = 0, 0.0
     if cfg.resume:
         # check_resume has checked its config and its bytes already
-        state = checkpoint.load_checkpoint(cfg.resume, map_location=device, verify=False)
+        state = checkpoint.load_checkpoint(cfg.resume, mmap=True, verify=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         train_loader.load_state_dict(state["loader"])

@@ -69,9 +69,14 @@ def resolve(path: str) -> Path:
     return p
 
 
-def load_checkpoint(path: str, map_location="cpu", mmap: bool = False, verify: bool = True) -> dict:
-    """The state saved by save_checkpoint, its bytes checked unless `verify` is False (the caller checked this
-    file already); mmap=True reads tensors lazily (no copies when only the config is needed)."""
+def load_checkpoint(path: str, mmap: bool = False, verify: bool = True) -> dict:
+    """The state saved by save_checkpoint, on the CPU, its bytes checked unless `verify` is False (the caller checked
+    this file already); mmap=True reads tensors lazily (no copies when only the config is needed).
+
+    Always the CPU: the model's and the optimizer's load_state_dict copy into buffers already on the device, and
+    the RNG states must stay CPU byte tensors (mapped to a GPU, torch.set_rng_state refused them and a resume
+    crashed after its warm-up). Mapping the file to the device would also hold a second copy of the weights and
+    moments there while they are copied."""
     p = resolve(path)
     try:
         # torch.save stores a CRC-32 of every record, but torch.load does not check them: a flipped bit inside a
@@ -82,7 +87,7 @@ def load_checkpoint(path: str, map_location="cpu", mmap: bool = False, verify: b
                 damaged = archive.testzip()
             if damaged is not None:
                 raise zipfile.BadZipFile(f"{damaged} does not match its CRC-32")
-        state = torch.load(p, map_location=map_location, weights_only=False, mmap=mmap)
+        state = torch.load(p, map_location="cpu", weights_only=False, mmap=mmap)
     # damaged bytes surface as whichever error the zip reader or the unpickler meets first
     except (RuntimeError, EOFError, KeyError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
         raise UserError(f"--resume {p}: the checkpoint is truncated or corrupt ({type(e).__name__}); "
@@ -101,11 +106,9 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    # RNG states are CPU byte tensors whatever the generator, but a checkpoint loaded with map_location="cuda"
-    # (a resume) brings them to the GPU, where set_rng_state refuses them
-    torch.set_rng_state(state["torch"].cpu())
+    torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def config_diff(saved: dict, current: dict, ignore: set[str]) -> list[str]:
@@ -117,9 +120,7 @@ def config_diff(saved: dict, current: dict, ignore: set[str]) -> list[str]:
 def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
     """The trained GPT from a checkpoint (eval mode, kernels chosen for `device`) and the training config it
     was trained with, for sampling and evaluation."""
-    # onto the CPU and lazily: only the weights are used, and load_state_dict copies them to the device (mapping
-    # the whole file there would also bring the optimizer's moments, two more copies of the weights)
-    state = load_checkpoint(path, mmap=True)
+    state = load_checkpoint(path, mmap=True)  # lazily: only the weights are read
     try:
         model = GPT(GPTConfig(**state["model_config"])).to(device)
         model.load_state_dict(state["model"])

@@ -1,10 +1,8 @@
 """sample.py: greedy decoding against a step-by-step reference, seeds, top-k, and the command line."""
 import dataclasses
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import sample
 from data.shard import BOS_ID
@@ -112,7 +110,7 @@ def test_what_generate_feeds_the_model_matches_the_bare_context(checkpoint, devi
     n = len(prompt)
     window = torch.tensor(config["window_max_tokens"], device=device)
     tokens = torch.tensor([prompt], dtype=torch.int32, device=device)
-    padded = F.pad(tokens, (0, math.ceil(n / 128) * 128 - n), value=BOS_ID)
+    padded = sample.pad_to_block(tokens, model.config.block_size)
     with torch.no_grad():
         model.attention_backend = "flex"
         flex = model.head.logits(model.hidden_states(padded, window)[:, n - 1])

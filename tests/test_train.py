@@ -88,8 +88,8 @@ def test_resume_is_bitwise_identical(tmp_path):
 
 @pytest.mark.gpu
 def test_resume_on_the_gpu_continues_the_run(tmp_path):
-    """The same on CUDA, where the checkpoint is loaded onto the GPU: its CPU and CUDA RNG states must go back to
-    the CPU, or torch.set_rng_state refuses them (it did, after the whole warm-up). GPU kernels with atomics are
+    """The same on CUDA. A checkpoint once loaded onto the GPU brought its RNG states there, and torch.set_rng_state
+    refused them after the whole warm-up; checkpoints now load onto the CPU. GPU kernels with atomics are
     not bitwise repeatable, so the losses are compared closely, not exactly."""
     flags = [*TINY, "--device=cuda", "--compile=0", "--num_iterations=6", "--val_loss_every=3",
              "--checkpoint_every=3"]
