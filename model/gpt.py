@@ -15,6 +15,7 @@ from model.layers import Block, norm, rotary_tables
 
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("flex", "sdpa")
+FLEX_MIN_HEAD_DIM = 16  # FlexAttention's GPU kernels: "embedding dimension ... must be at least 16"
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,9 @@ class GPT(nn.Module):
             if inputs_BT.device.type == "cpu" and torch.is_grad_enabled():
                 raise ValueError("FlexAttention has no CPU backward: set model.attention_backend = 'sdpa' to train "
                                  "on CPU, or run under torch.no_grad()")
+            if inputs_BT.is_cuda and cfg.head_dim < FLEX_MIN_HEAD_DIM:  # else a lowering error deep in inductor
+                raise ValueError(f"head_dim={cfg.head_dim}: FlexAttention's GPU kernels need at least "
+                                 f"{FLEX_MIN_HEAD_DIM}; use a larger head_dim")
             masks = {short: block_mask(doc_BT, w, cfg.block_size) for short, w in windows.items()}
         else:
             masks = {short: dense_mask(doc_BT, w) for short, w in windows.items()}

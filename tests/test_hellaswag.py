@@ -46,8 +46,9 @@ def bag_model(preferred: set[int]) -> GPT:
 
 
 def random_model() -> GPT:
-    """A GPT whose logits depend on every earlier token: random projections and head instead of zeros."""
-    return random_gpt(TINY, seed=1, std=0.3)
+    """A GPT whose logits depend on every earlier token: random projections and head instead of zeros. Heads of
+    16, FlexAttention's smallest on a GPU."""
+    return random_gpt(dataclasses.replace(TINY, model_dim=32, head_dim=16), seed=1, std=0.3)
 
 
 def tiny_examples():
@@ -97,7 +98,7 @@ def test_ending_losses_match_the_closed_form_of_the_bag_model():
 def test_ending_losses_match_unpadded_logits(device):
     """Padding to the block, unused rows and the window must not change the losses of the real tokens. On CUDA
     the scored model runs as an evaluation does there (FlexAttention, bf16 activations) against the fp32 CPU
-    reference: bf16 moved these losses by 0.16% at most when measured on the CPU, so 1% is the bound there."""
+    reference: bf16 moved these losses by 0.08% at most when measured on the CPU, so 1% is the bound there."""
     enc = get_encoding()
     model = random_model()
     scored = model

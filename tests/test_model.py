@@ -198,6 +198,16 @@ def test_user_errors():
         GPTConfig(num_layers=4, num_value_embeds=3)
 
 
+@pytest.mark.gpu
+def test_flex_refuses_heads_below_16_on_the_gpu():
+    """Inductor's FlexAttention lowering fails deep inside a compile for heads of fewer than 16 channels; the model
+    says so first, naming the setting."""
+    model = tiny_model(dataclasses.replace(TINY, model_dim=16, head_dim=8), backend="flex").cuda()
+    inputs, targets = batch()
+    with torch.no_grad(), pytest.raises(ValueError, match="head_dim=8: FlexAttention's GPU kernels need at least 16"):
+        model(inputs.cuda(), targets.cuda(), torch.tensor(64, device="cuda"))
+
+
 def test_tiny_model_learns_a_repeating_pattern():
     """50 AdamW steps on a periodic sequence in the default bf16 compute: the loss must fall far below ln(V)."""
     model = tiny_model()
