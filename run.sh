@@ -2,7 +2,8 @@
 # Train the 124M speedrun model on every GPU of this machine:
 #   bash run.sh [--flag=value ...]       flags pass through to train_gpt2.py
 #   NPROC=4 bash run.sh                  use 4 GPUs instead of all
-#   FINEWEB_SHARDS=20 bash run.sh        fetch more FineWeb train shards (100M tokens each)
+#   FINEWEB_SHARDS=20 bash run.sh        fetch this many FineWeb train shards (100M tokens each) instead of as many
+#                                        as the run reads
 # On a machine without a GPU, or when FineWeb cannot be fetched, it runs the smoke preset on the sample corpus.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -23,8 +24,6 @@ if [ "$gpus" -eq 0 ]; then
 fi
 NPROC=${NPROC:-$gpus}
 
-# Record #28 trains ~1750 steps x 393,216 tokens ~= 690M tokens; 9 shards x 100M tokens cover it.
-FINEWEB_SHARDS=${FINEWEB_SHARDS:-9}
 shopt -s nullglob
 train_shards=(data/fineweb10B/fineweb_train_*.bin)
 val_shards=(data/fineweb10B/fineweb_val_*.bin)
@@ -33,6 +32,10 @@ case " $* " in
     # The user brings their own data or runs the smoke preset: FineWeb is not needed.
     *" --train_files"* | *" --preset=smoke "* | *" --preset smoke "*) ;;
     *)
+        if [ -z "${FINEWEB_SHARDS:-}" ]; then
+            # As many shards as these flags read (record #28: 9); a bad flag stops here with train_gpt2's message.
+            FINEWEB_SHARDS=$(python -c 'import sys, train_gpt2 as t, runtime.errors as e; print(e.exit_on_user_error(t.fineweb_shards, sys.argv[1:]))' "$@")
+        fi
         if [ "${#train_shards[@]}" -lt "$FINEWEB_SHARDS" ] || [ "${#val_shards[@]}" -eq 0 ]; then
             if ! python data/cached_fineweb10B.py "$FINEWEB_SHARDS"; then
                 # No network (or no hub): still show a working run instead of stopping at the download.

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from data.cached_fineweb10B import TRAIN_SHARDS
 from data.loader import TrainLoader, ValLoader
 from data.prepare import ensure_sample_shards
 from data.shard import VOCAB_SIZE
@@ -119,6 +120,9 @@ RESUME_MAY_CHANGE = {"resume", "log_dir", "checkpoint_every", "val_loss_every", 
                      "preset"}
 BLOCK_SIZE = 128  # FlexAttention's tile: packed sequences are cut into blocks of this many tokens
 FINEWEB_SHARD_TOKENS = 100_000_000  # tokens per FineWeb train shard (data/cached_fineweb10B.py)
+# BOS alignment skips from each sequence's start to the next document start: a margin of 10% covers skips of up to
+# 4,900 tokens per 48K sequence (documents of the proxy corpus average 1,745 tokens: make_proxy_corpus.py's log)
+ALIGNMENT_MARGIN = 0.10
 DIVERGED_EXIT = 3  # exit status when the loss or the weights become inf/nan (2 is a user error)
 
 
@@ -221,6 +225,14 @@ def oom_advice(cfg: TrainConfig) -> str:
         return (f"try --seq_len={half} --batch_size={cfg.batch_size * 2} (twice as many sequences, half as long: "
                 f"about the same tokens per step)")
     return "even one sequence of 128 tokens does not fit: use a smaller model (--num_layers, --model_dim)"
+
+
+def fineweb_shards(argv: list[str]) -> int:
+    """FineWeb train shards that a run with these flags reads, which run.sh fetches: its tokens with the alignment
+    margin, plus one shard, at most the dataset's 103. Record #28: 1,750 x 393,216 tokens = 688M -> 9 shards."""
+    cfg = parse_config(TrainConfig, argv, PRESETS)
+    tokens = cfg.num_iterations * cfg.batch_size * cfg.seq_len * (1 + ALIGNMENT_MARGIN)
+    return min(math.ceil(tokens / FINEWEB_SHARD_TOKENS) + 1, TRAIN_SHARDS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,6 +101,18 @@ def test_gpu_marked_tests_skip_without_cuda(tmp_path):
 # --- run.sh with recording fakes -------------------------------------------------------------------------
 
 RECORDER = '#!/bin/sh\necho "{name} $*" >> "$RECORD"\n'
+# run.sh asks train_gpt2.fineweb_shards how many shards the flags read (`python -c CODE FLAGS...`): the fake hands
+# that one question to the real interpreter in the real repository, and records the rest; FETCH_STATUS makes the
+# FineWeb download fail
+PYTHON = f"""#!/bin/sh
+if [ "$1" = "-c" ]; then
+    code=$2; shift 2
+    echo "python -c <shards> $*" >> "$RECORD"
+    cd "{ROOT}" && exec "{sys.executable}" -c "$code" "$@"
+fi
+echo "python $*" >> "$RECORD"
+case "$1" in data/*) exit "${{FETCH_STATUS:-0}}";; esac
+"""
 NVIDIA_SMI_TWO_GPUS = (
     "#!/bin/sh\n"
     'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n'
@@ -109,7 +121,7 @@ NVIDIA_SMI_TWO_GPUS = (
 NVIDIA_SMI_NO_DRIVER = "#!/bin/sh\necho 'NVIDIA-SMI has failed: no driver' >&2\nexit 9\n"
 
 
-def _run_sh(tmp_path, nvidia_smi, args=(), env=None, shards=0, fakes=None):
+def _run_sh(tmp_path, nvidia_smi, args=(), env=None, shards=0, status=0):
     """Runs a copy of run.sh with fakes on PATH and returns the commands it ran, one string each."""
     work, fakebin = tmp_path / "repo", tmp_path / "bin"
     work.mkdir()
@@ -121,7 +133,7 @@ def _run_sh(tmp_path, nvidia_smi, args=(), env=None, shards=0, fakes=None):
         (fineweb / "fineweb_val_000000.bin").touch()
         for i in range(1, shards + 1):
             (fineweb / f"fineweb_train_{i:06d}.bin").touch()
-    fakes = {"python": RECORDER.format(name="python"), "torchrun": RECORDER.format(name="torchrun")} | (fakes or {})
+    fakes = {"python": PYTHON, "torchrun": RECORDER.format(name="torchrun")}
     if nvidia_smi is not None:
         fakes["nvidia-smi"] = nvidia_smi
     for name, text in fakes.items():
@@ -136,7 +148,7 @@ def _run_sh(tmp_path, nvidia_smi, args=(), env=None, shards=0, fakes=None):
         cwd=tmp_path, capture_output=True, text=True,
         env={"PATH": str(fakebin), "RECORD": str(record), **(env or {})},
     )
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == status, result.stdout + result.stderr
     return record.read_text().splitlines() if record.exists() else []
 
 
@@ -149,25 +161,46 @@ def test_run_sh_without_gpu_runs_the_smoke_preset(tmp_path, nvidia_smi):
 def test_run_sh_fetches_missing_fineweb_then_uses_every_gpu(tmp_path):
     calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--seed=1"])
     assert calls == [
+        "python -c <shards> --seed=1",
         "python data/cached_fineweb10B.py 9",
         "torchrun --standalone --nproc_per_node=2 train_gpt2.py --seed=1",
     ]
 
 
 def test_run_sh_falls_back_to_the_smoke_run_when_the_fetch_fails(tmp_path):
-    failing_python = '#!/bin/sh\necho "python $*" >> "$RECORD"\ncase "$1" in data/*) exit 2;; esac\n'
-    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--seed=1"], fakes={"python": failing_python})
-    assert calls == ["python data/cached_fineweb10B.py 9", "python train_gpt2.py --preset smoke --seed=1"]
+    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--seed=1"], env={"FETCH_STATUS": "2"})
+    assert calls[1:] == ["python data/cached_fineweb10B.py 9", "python train_gpt2.py --preset smoke --seed=1"]
 
 
 def test_run_sh_skips_the_fetch_when_shards_are_present_and_honours_nproc(tmp_path):
     calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, env={"NPROC": "1"}, shards=9)
-    assert calls == ["torchrun --standalone --nproc_per_node=1 train_gpt2.py"]
+    assert calls == ["python -c <shards> ", "torchrun --standalone --nproc_per_node=1 train_gpt2.py"]
+
+
+def test_fineweb_shards_counts_the_tokens_a_run_reads():
+    """The run's tokens + 10% for BOS alignment, + 1 shard of 100M, at most the dataset's 103."""
+    from train_gpt2 import fineweb_shards
+
+    assert fineweb_shards([]) == 9  # 1,750 x 393,216 = 688M -> 757M -> 8 shards, + 1
+    assert fineweb_shards(["--preset=d24"]) == 23  # 5,000 x 393,216 = 1.97B -> 2.16B -> 22, + 1
+    assert fineweb_shards(["--preset", "d48"]) == 59  # 10,000 x 32 x 16,384 = 5.24B -> 5.77B -> 58, + 1
+    assert fineweb_shards(["--num_iterations=100000"]) == 103
+
+
+def test_run_sh_fetches_as_many_shards_as_the_run_reads(tmp_path):
+    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--preset=d24"], shards=9)
+    assert calls[1:] == ["python data/cached_fineweb10B.py 23",
+                         "torchrun --standalone --nproc_per_node=2 train_gpt2.py --preset=d24"]
 
 
 def test_run_sh_fetches_more_shards_when_asked(tmp_path):
     calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, env={"FINEWEB_SHARDS": "12"}, shards=9)
     assert calls[0] == "python data/cached_fineweb10B.py 12"
+
+
+def test_run_sh_stops_at_a_bad_flag_before_fetching(tmp_path):
+    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--num_iteration=5"], status=2)
+    assert calls == ["python -c <shards> --num_iteration=5"]
 
 
 @pytest.mark.parametrize("args", [["--train_files=mine/*.bin"], ["--preset", "smoke"], ["--preset=smoke"]])
