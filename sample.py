@@ -6,8 +6,9 @@
 Each row starts with BOS, as every training document does. A sample ends at <|endoftext|> (the model would
 start an unrelated document after it) or after --max_new_tokens.
 
-No KV cache: each new token re-runs the model on the context (at most the training seq_len, padded to a whole
-attention block), O(context) work per token instead of O(1). A cache would have to live inside model/: the
+No KV cache: each new token re-runs the model on the context (at most the training seq_len), padded to the length
+the whole sample will have, so that every step has one shape and the compiled attention never recompiles:
+O(final length) work per token instead of O(1). A cache would have to live inside model/: the
 attention there reads the whole sequence at once (document ids, sliding windows, value residual and value
 embeddings are computed per call), so caching means a second, incremental code path through every layer. At
 the lengths people sample (a few hundred tokens) one re-run of the 124M model takes milliseconds on a GPU.
@@ -39,11 +40,17 @@ def pick(logits_BV: torch.Tensor, temperature: float, top_k: int, generator: tor
     return torch.multinomial(torch.softmax(logits_BV, dim=-1), 1, generator=generator)[:, 0]
 
 
-def pad_to_block(tokens_BN: torch.Tensor, block: int) -> torch.Tensor:
-    """The context padded with BOS to a whole attention block (FlexAttention's unit); causal attention never looks
-    at the padding, so the real positions' outputs do not change."""
-    n = tokens_BN.size(1)
-    return torch.nn.functional.pad(tokens_BN, (0, math.ceil(n / block) * block - n), value=BOS_ID)
+def padded_length(prompt_len: int, max_new_tokens: int, block: int, max_context: int) -> int:
+    """The one length generate feeds the model: the longest context it will see, rounded up to a whole attention
+    block (FlexAttention's unit). FlexAttention on a GPU compiles each new length (after 8, dynamo gives up and runs
+    it unfused), so the length stays fixed while the sample grows."""
+    return min(max_context, math.ceil((prompt_len + max_new_tokens) / block) * block)
+
+
+def pad_to(tokens_BN: torch.Tensor, length: int) -> torch.Tensor:
+    """The context padded with BOS to `length`; causal attention never looks at the padding, so the real positions'
+    outputs do not change."""
+    return torch.nn.functional.pad(tokens_BN, (0, length - tokens_BN.size(1)), value=BOS_ID)
 
 
 @torch.no_grad()
@@ -56,13 +63,13 @@ def generate(model: GPT, prompt: list[int], *, max_new_tokens: int, temperature:
     longest context fed to the model (its training seq_len).
     """
     device = next(model.parameters()).device
-    block = model.config.block_size
+    length = padded_length(len(prompt), max_new_tokens, model.config.block_size, max_context)
     tokens_BN = torch.tensor([prompt] * num_samples, dtype=torch.int32, device=device)
     window_t = torch.tensor(window, dtype=torch.int64, device=device)
     ended_B = torch.zeros(num_samples, dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
         context_BN = tokens_BN[:, -max_context:]
-        hidden_BD = model.hidden_states(pad_to_block(context_BN, block), window_t)[:, context_BN.size(1) - 1]
+        hidden_BD = model.hidden_states(pad_to(context_BN, length), window_t)[:, context_BN.size(1) - 1]
         logits_BV = model.head.logits(hidden_BD)[:, :TEXT_VOCAB]
         next_B = pick(logits_BV, temperature, top_k, generator)
         tokens_BN = torch.cat([tokens_BN, next_B[:, None].to(tokens_BN.dtype)], dim=1)

@@ -65,6 +65,18 @@ def test_greedy_matches_the_unpadded_reference_and_repeats(model, words):
     assert len(set(greedy[0])) > 1  # the random model does not just repeat one token
 
 
+def test_generate_feeds_one_length_while_the_sample_grows(model, monkeypatch):
+    """Every step pads to the sample's final length, so FlexAttention compiles one shape on a GPU; the padding is
+    causal-invisible: greedy tokens equal the unpadded reference's as the context crosses a block boundary."""
+    prompt = [BOS_ID] + get_encoding().encode_ordinary(" ".join(["fox"] * 99))
+    lengths, hidden_states = [], model.hidden_states
+    monkeypatch.setattr(model, "hidden_states", lambda inputs, *a: lengths.append(inputs.size(1)) or
+                        hidden_states(inputs, *a))
+    got = run(model, prompt, temperature=0.0, max_new_tokens=40, max_context=256)[0]
+    assert len(prompt) == 100 and len(got) == 40 and set(lengths) == {256}  # 140 tokens: two blocks of 128
+    assert got == greedy_reference(model, prompt, 40, 256)
+
+
 def test_seeds_reproduce_and_differ(model):
     prompt = [BOS_ID] + get_encoding().encode_ordinary(PROMPT)
     first = run(model, prompt, seed=3, num_samples=2)
@@ -100,8 +112,8 @@ def test_cli_prints_the_prompt_and_its_continuation(checkpoint, capsys):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_what_generate_feeds_the_model_matches_the_bare_context(checkpoint, device, capsys):
-    """On each device, as sample.py loads the model there: the context padded to a whole block through
-    FlexAttention (generate's way) gives the bare context's next-token logits under the dense-mask path; and the
+    """On each device, as sample.py loads the model there: the context padded through FlexAttention (generate's
+    way) gives the bare context's next-token logits under the dense-mask path; and the
     command runs there. CPU math is fp32; on CUDA it is bf16, where the two paths differ by rounding only: 0.048
     at most, measured on the CPU with bf16 activations (logits up to 15), so 0.15 leaves room and still catches
     any leak of the padding or a wrong window."""
@@ -110,7 +122,7 @@ def test_what_generate_feeds_the_model_matches_the_bare_context(checkpoint, devi
     n = len(prompt)
     window = torch.tensor(config["window_max_tokens"], device=device)
     tokens = torch.tensor([prompt], dtype=torch.int32, device=device)
-    padded = sample.pad_to_block(tokens, model.config.block_size)
+    padded = sample.pad_to(tokens, sample.padded_length(n, 6, model.config.block_size, config["seq_len"]))
     with torch.no_grad():
         model.attention_backend = "flex"
         flex = model.head.logits(model.hidden_states(padded, window)[:, n - 1])
