@@ -17,6 +17,10 @@ count_gpus() {
     fi
 }
 
+case " $* " in
+    *" --help "* | *" -h "*) exec python train_gpt2.py "$@" ;;  # the flags' help needs neither GPUs nor data
+esac
+
 gpus=$(count_gpus)
 if [ "$gpus" -eq 0 ]; then
     echo "run.sh: no GPU found, running the CPU smoke preset" >&2

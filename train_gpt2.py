@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from data.cached_fineweb10B import TRAIN_SHARDS
 from data.loader import TrainLoader, ValLoader
 from data.prepare import ensure_sample_shards
 from data.shard import VOCAB_SIZE
@@ -230,6 +229,8 @@ def oom_advice(cfg: TrainConfig) -> str:
 def fineweb_shards(argv: list[str]) -> int:
     """FineWeb train shards that a run with these flags reads, which run.sh fetches: its tokens with the alignment
     margin, plus one shard, at most the dataset's 103. Record #28: 1,750 x 393,216 tokens = 688M -> 9 shards."""
+    from data.cached_fineweb10B import TRAIN_SHARDS  # here: training runs need not import huggingface_hub
+
     cfg = parse_config(TrainConfig, argv, PRESETS)
     tokens = cfg.num_iterations * cfg.batch_size * cfg.seq_len * (1 + ALIGNMENT_MARGIN)
     return min(math.ceil(tokens / FINEWEB_SHARD_TOKENS) + 1, TRAIN_SHARDS)

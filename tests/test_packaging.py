@@ -198,6 +198,12 @@ def test_run_sh_fetches_more_shards_when_asked(tmp_path):
     assert calls[0] == "python data/cached_fineweb10B.py 12"
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_run_sh_help_lists_the_flags_without_fetching(tmp_path, flag):
+    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--preset=d24", flag])
+    assert calls == [f"python train_gpt2.py --preset=d24 {flag}"]
+
+
 def test_run_sh_stops_at_a_bad_flag_before_fetching(tmp_path):
     calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--num_iteration=5"], status=2)
     assert calls == ["python -c <shards> --num_iteration=5"]
