@@ -94,10 +94,11 @@ class GPT(nn.Module):
     small T, for CPU training) and `compute_dtype` (activation dtype, bf16 by default; fp32 for exact checks).
 
     Compilation is regional and applied from outside (`compile_regions()` does exactly this):
+        model.embed_inputs = torch.compile(model.embed_inputs, dynamic=False, fullgraph=True)
         for block in model.blocks: block.compile(dynamic=False, fullgraph=True)
         model.head.compile(dynamic=False, fullgraph=True)
-    All blocks share one signature, (x, x0, v_first, ve, cos, sin, mask), so they share compiled code; every
-    per-step value (the window) reaches them as a tensor, so schedules never recompile.
+    All blocks share one signature, (x, x0, v_first, ve, cos, sin, mask), so they share compiled code, one graph per
+    presence pattern; every per-step value (the window) reaches them as a tensor, so schedules never recompile.
     """
 
     def __init__(self, config: GPTConfig):
@@ -132,8 +133,18 @@ class GPT(nn.Module):
         nn.init.zeros_(self.head.weight)  # zero-init head (modded-nanogpt): the first loss is exactly ln(V)
 
     def compile_regions(self, **kwargs) -> None:
-        """Compile each block and the head separately (regional compilation); kwargs go to torch.compile."""
+        """Compile the embedding lookups, each block and the head separately (regional compilation); kwargs go to
+        torch.compile. Compiled, the lookups, casts and norm fuse, and the tables' gradients are scattered with
+        atomic adds instead of eager embedding_dense_backward's sort (13.8 ms of the 716 ms step on the H200,
+        bench/results/profile_step28_1xH200.txt)."""
         kwargs = {"dynamic": False, "fullgraph": True} | kwargs
+        # All blocks share Block.forward, and dynamo's recompile limit (8) counts its graphs: one per presence
+        # pattern of the optional inputs, for training and again under no_grad for validation.
+        cfg = self.config
+        patterns = {(i in cfg.no_attention_layers, i in cfg.no_mlp_layers, cfg.value_embed_index(i) is None,
+                     cfg.value_residual and i > 0) for i in range(cfg.num_layers)}
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(patterns))
+        self.embed_inputs = torch.compile(self.embed_inputs, **kwargs)
         for block in self.blocks:
             block.compile(**kwargs)
         self.head.compile(**kwargs)
@@ -186,8 +197,11 @@ class GPT(nn.Module):
             masks = {short: dense_mask(doc_BT, w) for short, w in windows.items()}
         cos_TP, sin_TP = rotary_tables(T, cfg.head_dim, cfg.rope_base, inputs_BT.device)
 
-        x_BTD = x0_BTD = norm(self.embed(inputs_BT).to(self.compute_dtype))
-        ves_BTA = [emb(inputs_BT).to(self.compute_dtype) for emb in self.value_embeds]
+        x0_BTD, *ves_BTA = self.embed_inputs(inputs_BT)
+        # a copy: were x and x0 one tensor, the first block's inputs would alias, and dynamo compiles a graph of
+        # its own for aliased inputs (two, for training and validation), which costs more cold-start seconds than
+        # the copy (0.3 ms per step) ever will
+        x_BTD = x0_BTD.clone()
         L, num_skips = cfg.num_layers, cfg.num_layers // 2
         skips, v_first_BTHd = [], None
         for i, block in enumerate(self.blocks):
@@ -201,6 +215,11 @@ class GPT(nn.Module):
             if i < num_skips:
                 skips.append(x_BTD)
         return x_BTD
+
+    def embed_inputs(self, inputs_BT: Tensor) -> list[Tensor]:
+        """[x0 (B, T, D), then each value embedding (B, T, A)] in compute_dtype; x0 is normed."""
+        return [norm(self.embed(inputs_BT).to(self.compute_dtype)),
+                *(emb(inputs_BT).to(self.compute_dtype) for emb in self.value_embeds)]
 
     def logits(self, inputs_BT: Tensor, window: Tensor) -> Tensor:
         """Capped fp32 logits (B, T, V), for sampling, evaluation and tests."""
