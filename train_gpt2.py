@@ -18,7 +18,7 @@ import torch
 
 from data.loader import TrainLoader, ValLoader
 from data.prepare import ensure_sample_shards
-from data.shard import VOCAB_SIZE
+from data.shard import FINEWEB_SHARD_TOKENS, VOCAB_SIZE
 from model.gpt import GPT, GPTConfig, receptive_field
 from optim.muon import check_method
 from optim.optimizer import MuonAdam
@@ -118,7 +118,6 @@ RESUME_MAY_CHANGE = {"resume", "log_dir", "checkpoint_every", "val_loss_every", 
                      "warmup_steps", "device", "hellaswag", "hellaswag_file", "val_files", "val_tokens", "val_context",
                      "preset"}
 BLOCK_SIZE = 128  # FlexAttention's tile: packed sequences are cut into blocks of this many tokens
-FINEWEB_SHARD_TOKENS = 100_000_000  # tokens per FineWeb train shard (data/cached_fineweb10B.py)
 # BOS alignment skips from each sequence's start to the next document start: a margin of 10% covers skips of up to
 # 4,900 tokens per 48K sequence (documents of the proxy corpus average 1,745 tokens: make_proxy_corpus.py's log)
 ALIGNMENT_MARGIN = 0.10

@@ -1,9 +1,9 @@
 """Download the speedrun's GPT-2-tokenized FineWeb shards: `python data/cached_fineweb10B.py N`.
 
-Fetches fineweb_val_000000.bin and fineweb_train_000001.bin ... fineweb_train_N.bin (100M tokens each) from
-the hub dataset kjj0/fineweb10B-gpt2 into data/fineweb10B/. A file already there counts only if its header
-and size check out; a partial file is deleted and fetched again. Without network (or with HF_HUB_OFFLINE=1)
-it exits with status 2 and lists the files still missing.
+Fetches fineweb_val_000000.bin and fineweb_train_000001.bin ... fineweb_train_N.bin (100M tokens each:
+data.shard.FINEWEB_SHARD_TOKENS) from the hub dataset kjj0/fineweb10B-gpt2 into data/fineweb10B/. A file already
+there counts only if its header and size check out; a partial file is deleted and fetched again. Without network
+(or with HF_HUB_OFFLINE=1) it exits with status 2 and lists the files still missing.
 """
 import argparse
 import sys

@@ -26,12 +26,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data.shard import BOS_ID, write_shard
+from data.shard import BOS_ID, FINEWEB_SHARD_TOKENS, write_shard
 from data.tokenizer import get_encoding
 
 TEXT_SUFFIXES, JSONL_SUFFIXES = (".txt", ".md"), (".jsonl",)
 DEFAULT_VAL_TOKENS = 10_485_760  # the speedrun's validation set size
-DEFAULT_SHARD_TOKENS = 100_000_000  # the size of each FineWeb shard
 BATCH_CHARS = 1 << 20  # text per worker task: large enough to hide IPC, small enough to balance the pool
 SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
 SAMPLE_VAL_TOKENS = 65_536  # enough for a steady smoke-run validation loss, small next to the ~1.5M-token sample
@@ -165,7 +164,7 @@ class _ShardWriter:
             self._write(np.concatenate(self.pending))
 
 
-def prepare(inputs, out, val_tokens: int = DEFAULT_VAL_TOKENS, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+def prepare(inputs, out, val_tokens: int = DEFAULT_VAL_TOKENS, shard_tokens: int = FINEWEB_SHARD_TOKENS,
             name: str = "corpus", workers: int | None = None) -> dict:
     """Tokenize `inputs` into shards in `out` (see the module docstring); return a summary dict."""
     start = time.perf_counter()
@@ -253,7 +252,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True, help="output directory for the .bin shards")
     parser.add_argument("--val_tokens", type=int, default=DEFAULT_VAL_TOKENS,
                         help="validation tokens (the val shard holds one more); default: the speedrun's")
-    parser.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per train shard")
+    parser.add_argument("--shard_tokens", type=int, default=FINEWEB_SHARD_TOKENS, help="tokens per train shard")
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizer processes")
     parser.add_argument("--name", default="corpus", help="shard file name prefix")
     args = parser.parse_args(argv)

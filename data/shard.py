@@ -18,6 +18,7 @@ HEADER_BYTES = HEADER_INTS * 4
 BOS_ID = 50256  # GPT-2's <|endoftext|>, written before every document
 VOCAB_SIZE = 50257  # GPT-2 BPE: 50,000 merges + 256 bytes + <|endoftext|>
 TOKEN_BYTES = 2  # uint16 ids
+FINEWEB_SHARD_TOKENS = 100_000_000  # tokens in each train shard of the speedrun's FineWeb (the last one holds fewer)
 
 _FIX_WRITE = ("was it written by `python -m data.prepare`? for FineWeb re-download with "
               "`python data/cached_fineweb10B.py N`")
