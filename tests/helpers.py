@@ -12,8 +12,9 @@ def random_gpt(config: GPTConfig, seed: int, std: float) -> GPT:
     model.init_weights()
     with torch.no_grad():
         for block in model.blocks:
-            block.attn.proj_w.normal_(std=std)
-            block.mlp.proj_w.normal_(std=std)
+            for part in (block.attn, block.mlp):
+                if part is not None:  # a block may go without one (GPTConfig.no_attention_layers)
+                    part.proj_w.normal_(std=std)
         model.head.weight.normal_()
     model.compute_dtype = torch.float32
     model.attention_backend = "sdpa"

@@ -130,6 +130,37 @@ def test_accuracy_of_models_with_known_answers(chosen, accuracy):
     assert hellaswag.evaluate_hellaswag(model, CPU, path=str(TINY_FILE), limit=2) == sum(right[:2]) / 2
 
 
+def test_a_compiled_model_scores_without_compiling_new_shapes():
+    """train_gpt2 --hellaswag=1 scores the compiled training model. Its blocks' graphs (three patterns here, as in
+    record #28, for training and validation) leave dynamo 2 of its 8; the rows' new shapes would pass the limit,
+    a fullgraph error at the end of a run. They run eagerly, with the same accuracy as the uncompiled model."""
+    import torch._dynamo
+    # layers 0 and 3 take the value embedding, layer 2 has no attention: three block patterns
+    config = dataclasses.replace(TINY, num_layers=4, model_dim=32, head_dim=16, no_attention_layers=(2,))
+    model = random_gpt(config, seed=1, std=0.3)
+    expected = hellaswag.evaluate_hellaswag(model, CPU, path=str(TINY_FILE))
+    graphs = []
+
+    def backend(gm, example_inputs):  # records each graph dynamo hands over, runs it uncompiled
+        graphs.append(gm)
+        return gm.forward
+
+    inputs = torch.randint(0, 50257, (1, 128))
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=8):
+        try:
+            model.compile_regions(backend=backend)
+            model(inputs, inputs, torch.tensor(128)).backward()  # training's graphs
+            with torch.no_grad():
+                model(inputs, inputs, torch.tensor(128))  # validation's
+            trained = len(graphs)
+            assert hellaswag.evaluate_hellaswag(model, CPU, path=str(TINY_FILE)) == expected
+        finally:
+            torch._dynamo.reset()
+    assert trained == 3 * 2 + 2 * 2  # the blocks' patterns, the embeddings and the head, in both modes
+    assert len(graphs) == trained
+
+
 def _rank_main(rank, store, out_dir):
     torch.set_num_threads(1)  # two ranks share CI's two cores
     torch_dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
