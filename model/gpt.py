@@ -136,7 +136,7 @@ class GPT(nn.Module):
         """Compile the embedding lookups, each block and the head separately (regional compilation); kwargs go to
         torch.compile. Compiled, the lookups, casts and norm fuse, and the tables' gradients are scattered with
         atomic adds instead of eager embedding_dense_backward's sort (13.8 ms of the 716 ms step on the H200,
-        bench/results/profile_step28_1xH200.txt)."""
+        bench/results/profile_step28_1xH200.txt); the step took 12.1 ms less (bench/results/README.md, e7f4a50)."""
         kwargs = {"dynamic": False, "fullgraph": True} | kwargs
         # All blocks share Block.forward, and dynamo's recompile limit (8) counts its graphs: one per presence
         # pattern of the optional inputs, for training and again under no_grad for validation.
@@ -200,7 +200,7 @@ class GPT(nn.Module):
         x0_BTD, *ves_BTA = self.embed_inputs(inputs_BT)
         # a copy: were x and x0 one tensor, the first block's inputs would alias, and dynamo compiles a graph of
         # its own for aliased inputs (two, for training and validation), which costs more cold-start seconds than
-        # the copy (0.3 ms per step) ever will
+        # the copy (one read and one write of x0 per micro-step, about 0.3 ms per step by bandwidth) ever will
         x_BTD = x0_BTD.clone()
         L, num_skips = cfg.num_layers, cfg.num_layers // 2
         skips, v_first_BTHd = [], None
