@@ -1,7 +1,29 @@
 """Shared test fixtures that are plain functions (imported by several test files)."""
+import contextlib
+
 import torch
+import torch._dynamo
 
 from model.gpt import GPT, GPTConfig
+
+
+@contextlib.contextmanager
+def recorded_compile(model: GPT):
+    """model.compile_regions() with a backend that records each graph dynamo hands over and runs it uncompiled;
+    yields the list of graphs. Dynamo starts afresh with its default recompile limit (8), and is reset after."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=8):  # compile_regions raises it as needed; undone after
+        try:
+            model.compile_regions(backend=backend)
+            yield graphs
+        finally:
+            torch._dynamo.reset()
 
 
 def random_gpt(config: GPTConfig, seed: int, std: float) -> GPT:

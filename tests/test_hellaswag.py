@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from data.shard import BOS_ID
 from data.tokenizer import get_encoding
 from evals import hellaswag
-from helpers import random_gpt
+from helpers import random_gpt, recorded_compile
 from model.gpt import GPT, GPTConfig
 from runtime.dist import Runtime, use_device_paths
 
@@ -134,29 +134,17 @@ def test_a_compiled_model_scores_without_compiling_new_shapes():
     """train_gpt2 --hellaswag=1 scores the compiled training model. Its blocks' graphs (three patterns here, as in
     record #28, for training and validation) leave dynamo 2 of its 8; the rows' new shapes would pass the limit,
     a fullgraph error at the end of a run. They run eagerly, with the same accuracy as the uncompiled model."""
-    import torch._dynamo
     # layers 0 and 3 take the value embedding, layer 2 has no attention: three block patterns
     config = dataclasses.replace(TINY, num_layers=4, model_dim=32, head_dim=16, no_attention_layers=(2,))
     model = random_gpt(config, seed=1, std=0.3)
     expected = hellaswag.evaluate_hellaswag(model, CPU, path=str(TINY_FILE))
-    graphs = []
-
-    def backend(gm, example_inputs):  # records each graph dynamo hands over, runs it uncompiled
-        graphs.append(gm)
-        return gm.forward
-
     inputs = torch.randint(0, 50257, (1, 128))
-    torch._dynamo.reset()
-    with torch._dynamo.config.patch(recompile_limit=8):
-        try:
-            model.compile_regions(backend=backend)
-            model(inputs, inputs, torch.tensor(128)).backward()  # training's graphs
-            with torch.no_grad():
-                model(inputs, inputs, torch.tensor(128))  # validation's
-            trained = len(graphs)
-            assert hellaswag.evaluate_hellaswag(model, CPU, path=str(TINY_FILE)) == expected
-        finally:
-            torch._dynamo.reset()
+    with recorded_compile(model) as graphs:
+        model(inputs, inputs, torch.tensor(128)).backward()  # training's graphs
+        with torch.no_grad():
+            model(inputs, inputs, torch.tensor(128))  # validation's
+        trained = len(graphs)
+        assert hellaswag.evaluate_hellaswag(model, CPU, path=str(TINY_FILE)) == expected
     assert trained == 3 * 2 + 2 * 2  # the blocks' patterns, the embeddings and the head, in both modes
     assert len(graphs) == trained
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from model.attention import short_window
+from helpers import recorded_compile
 from model.gpt import GPT, GPTConfig, flops_per_token, mean_context, receptive_field
 
 BOS = 0
@@ -319,25 +320,13 @@ def test_compiled_regions_compile_one_graph_per_block_pattern(parts, graphs):
     """compile_regions: training and validation together compile one block graph per presence pattern and mode,
     the embeddings and the head once per mode; no recompile for the first block, whose x starts as x0 (aliased
     inputs would be a pattern of their own), and none past dynamo's limit (a fullgraph failure)."""
-    import torch._dynamo
-    traced = []
-
-    def backend(gm, example_inputs):  # records each graph dynamo hands over, runs it uncompiled
-        traced.append(gm)
-        return gm.forward
-
     config = dataclasses.replace(TINY, num_layers=6, num_value_embeds=2, **parts)
     model = tiny_model(config)
     inputs, targets = batch()
-    torch._dynamo.reset()
-    with torch._dynamo.config.patch(recompile_limit=8):  # compile_regions raises it as needed; undone after
-        try:
-            model.compile_regions(backend=backend)
-            model(inputs, targets, torch.tensor(T)).backward()
-            with torch.no_grad():
-                model(inputs, targets, torch.tensor(T))
-        finally:
-            torch._dynamo.reset()
+    with recorded_compile(model) as traced:
+        model(inputs, targets, torch.tensor(T)).backward()
+        with torch.no_grad():
+            model(inputs, targets, torch.tensor(T))
     blocks = [gm for gm in traced if "block" in gm.code.lower() or "lambdas" in gm.code]
     assert len(traced) == graphs + 4  # + embeddings and head, each for training and validation
     assert len(blocks) == graphs
