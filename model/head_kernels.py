@@ -13,12 +13,17 @@ the bf16 logits once per pass and write the gradient once per layout:
   (bench/results/head_kernels_1xH200.json): 4.37 ms for the two, against 7.87 ms for inductor's kernel; one
   kernel storing each tile in both layouts took 7.6-10.8 ms at six tile shapes (head_kernels_1xH200_8ab2f99.json).
 
-The softcap z = c tanh(l / c) is computed as c (2 s - 1) with s = sigmoid(2 l / c) = 1 / (1 + exp(-2 l / c)):
-one exp2 and one division (libdevice's tanh made inductor's kernels compute-bound). The sigmoid form is clean at
-any |l|: exp overflows to inf for l << 0 (s = 0, z = -c) and underflows to 0 for l >> 0 (s = 1, z = c). It also
-gives tanh' = 1 - tanh^2 = 4 s (1 - s) without the cancellation of 1 - (z / c)^2. Even so, each element costs three
-special-function operations (exp2, reciprocal, exp2), which at the H200's 16 per SM per clock take ~1.8 ms per
-micro-batch: the forward stays above its ~1 ms of memory traffic (measured 1.95 ms; inductor's 2.65).
+The softcap z = c tanh(l / c) takes one special-function (MUFU) operation, PTX's tanh.approx.f32, and the softmax
+its exp2: two per element, where the exp2 and division of tanh's sigmoid form made three. At the H200's 16 per SM per
+clock, three took ~1.8 ms per micro-batch and held the forward at 1.92 ms against its ~1 ms of memory traffic; with
+two, the forward took 1.33 ms and the FP8 backward's first kernel 2.20 ms instead of 3.08
+(bench/results/head_math_1xH200.json), and the whole step 700.1 ms instead of 716.4 on one machine
+(bench/results/README.md). tanh.approx's largest relative error is 1.1e-5, measured there over every
+fp32 from 2^-10 to 9.1 (as N. Juffa found for the instruction on Turing, NVIDIA developer forums, 2021): z is off by
+at most 1.7e-4 and tanh' = 1 - tanh^2 by at most 1.3e-5 of its bound of 1 (measured), far below the bf16 rounding
+of the logits and the e5m2 rounding of the gradient. On the bench's logits the loss moved by 3.5e-6 on average
+against fp64 (the sigmoid form: 3.9e-7). The Triton interpreter runs no PTX: there, tanh is computed from exp2 in
+fp32.
 
 Each function is a torch.library.triton_op: it runs as a plain kernel launch in eager mode, and torch.compile
 (HeadLoss runs inside the compiled Head) sees the kernels themselves. Launch configurations are fixed: autotuning
@@ -28,6 +33,8 @@ imports it only where triton is installed, and with TRITON_INTERPRET=1 the kerne
 
 Shape legend: N tokens, V vocab.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -55,10 +62,20 @@ _BACKWARD_BLOCK_N, _BACKWARD_BLOCK_V, _BACKWARD_WARPS = 32, 256, 4
 _TRANSPOSE_BLOCK_R, _TRANSPOSE_BLOCK_C, _TRANSPOSE_WARPS = 64, 128, 4
 
 
+# The interpreter (TRITON_INTERPRET=1, CPU tests) cannot run inline PTX
+_TANH_ON_MUFU = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
 @triton.jit
-def _sigmoid_2u(logits, softcap):
-    """s = sigmoid(2 l / c) in fp32, from which z = c tanh(l / c) = c (2 s - 1)."""
-    return 1.0 / (1.0 + tl.exp2(logits.to(tl.float32) * (-2.0 * _LOG2E / softcap)))
+def _tanh_of(logits, softcap):
+    """t = tanh(l / c) in fp32, from which z = c t and tanh' = 1 - t^2."""
+    u = logits.to(tl.float32) * (1.0 / softcap)
+    if _TANH_ON_MUFU:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:  # 1 - 2 / (exp(2|u|) + 1): within fp32's rounding of 1 (~1e-7) and never inf / inf
+        t = 1.0 - 2.0 / (tl.exp2(tl.abs(u) * (2.0 * _LOG2E)) + 1.0)
+        return tl.where(u < 0, -t, t)
 
 
 @triton.jit
@@ -66,17 +83,17 @@ def _forward_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, softcap: tl.cons
                     BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * V  # N x V passes 2^31 at the training size
-    # exp(z - c) = exp(2 c (s - 1)), summed lane-wise and reduced once at the end
+    # exp(z - c) = exp(c (t - 1)), summed lane-wise and reduced once at the end
     sum_V = tl.zeros([BLOCK_V], dtype=tl.float32)
     for start in range(0, V, BLOCK_V):
         cols_V = start + tl.arange(0, BLOCK_V)
         inside_V = cols_V < V
-        s_V = _sigmoid_2u(tl.load(row_ptr + cols_V, mask=inside_V, other=0.0), softcap)
-        sum_V += tl.where(inside_V, tl.exp2((2.0 * _LOG2E) * softcap * (s_V - 1.0)), 0.0)
+        t_V = _tanh_of(tl.load(row_ptr + cols_V, mask=inside_V, other=0.0), softcap)
+        sum_V += tl.where(inside_V, tl.exp2((_LOG2E * softcap) * (t_V - 1.0)), 0.0)
     lse = softcap + tl.log(tl.sum(sum_V, axis=0))
     target = tl.load(targets_ptr + row)
     ignored = target == _IGNORE_INDEX
-    z_target = softcap * (2.0 * _sigmoid_2u(tl.load(row_ptr + tl.where(ignored, 0, target)), softcap) - 1.0)
+    z_target = softcap * _tanh_of(tl.load(row_ptr + tl.where(ignored, 0, target)), softcap)
     tl.store(lse_ptr + row, lse)
     tl.store(loss_ptr + row, tl.where(ignored, 0.0, lse - z_target))
 
@@ -102,10 +119,10 @@ def _grad_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_scale_ptr, g_ptr,
     row_grad_N = tl.load(grad_ptr + rows_N, mask=rows_inside_N, other=0.0)
     if SCALED:
         row_grad_N = row_grad_N / tl.load(g_scale_ptr)
-    s_NV = _sigmoid_2u(logits_NV, softcap)
-    probs_NV = tl.exp2(_LOG2E * (softcap * (2.0 * s_NV - 1.0) - lse_N[:, None]))
+    t_NV = _tanh_of(logits_NV, softcap)
+    probs_NV = tl.exp2(_LOG2E * (softcap * t_NV - lse_N[:, None]))
     onehot_NV = (cols_V[None, :] == targets_N[:, None]).to(tl.float32)
-    g_NV = (probs_NV - onehot_NV) * (4.0 * s_NV * (1.0 - s_NV)) * row_grad_N[:, None]
+    g_NV = (probs_NV - onehot_NV) * (1.0 - t_NV * t_NV) * row_grad_N[:, None]
     tl.store(g_ptr + rows_N.to(tl.int64)[:, None] * V + cols_V[None, :], g_NV.to(g_ptr.dtype.element_ty),
              mask=inside_NV)
 

@@ -20,6 +20,10 @@ from model.head import GRAD_FP8_SCALE, IGNORE_INDEX
 
 SOFTCAP = 15.0
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# The kernels' tanh (PTX tanh.approx.f32, relative error <= 1.1e-5 measured: model/head_kernels.py) moves each capped
+# logit by up to 15 * 1.1e-5 = 1.7e-4, so each probability by up to 2 * 1.7e-4 relative (its logit and the lse), and
+# tanh' = 1 - tanh^2 by up to 1.3e-5 absolute (measured), plus fp32 rounding
+GRAD_RTOL_FP32, GRAD_ATOL_OF_MAX = 4e-4, 3e-5
 # e5m2 keeps 2 mantissa bits: round-to-nearest is within 2^-3 relative, and within half the smallest subnormal
 # (2^-16) of the scale below that
 E5M2_RTOL, E5M2_ATOL_OF_SCALE = 2.0 ** -3, 2.0 ** -17
@@ -69,13 +73,13 @@ def check_forward(logits, targets, grad):
 
 
 def check_grad(logits, targets, grad, rtol):
-    """Relative to each value, plus an absolute 1e-5 of the largest upstream gradient for the fp32 rounding of
-    the unit gradient (|unit| <= 1)."""
+    """Relative to each value, plus an absolute 3e-5 of the largest upstream gradient for tanh' (above) and the fp32
+    rounding of the unit gradient (|unit| <= 1)."""
     lse = head.head_kernels.lse_and_loss(logits, targets, SOFTCAP)[0]
     g = head.head_kernels.logits_grad(logits, lse, targets, grad, SOFTCAP)
     assert g.dtype == logits.dtype and g.shape == logits.shape
     torch.testing.assert_close(g.double(), reference(logits, targets, grad)[2], rtol=rtol,
-                               atol=1e-5 * grad.abs().max().item())
+                               atol=GRAD_ATOL_OF_MAX * grad.abs().max().item())
 
 
 def fp8_grads(logits, targets, grad):
@@ -97,10 +101,10 @@ def test_lse_and_loss_on_gpu(n, v, dtype):
 
 
 @gpu
-@pytest.mark.parametrize("dtype, rtol", [(torch.bfloat16, 2.0 ** -8), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("dtype, rtol", [(torch.bfloat16, 2.0 ** -8), (torch.float32, GRAD_RTOL_FP32)])
 @pytest.mark.parametrize("n, v", [(8192, 50304), (333, 1001)])
 def test_logits_grad_on_gpu(n, v, dtype, rtol):
-    """The gradient in the logits' dtype against fp64: within one bf16 rounding (2^-9) and the fp32 math."""
+    """The gradient in the logits' dtype against fp64: within one bf16 rounding (2^-9), or tanh.approx's error."""
     check_grad(*problem(n, v, dtype, "cuda"), rtol=rtol)
 
 
