@@ -36,16 +36,22 @@ def attempt(fn) -> float | str:
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
+def training_problem():
+    """(logits_NV, targets_N, grad_N, g_scale) of one micro-batch on the GPU: bf16 logits of std 3, random targets,
+    the upstream gradient of a mean loss, and HeadLoss's e5m2 scale for it."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits_NV = (3.0 * torch.randn(N, V, device="cuda", generator=gen)).bfloat16()
+    targets_N = torch.randint(0, V, (N,), device="cuda", generator=gen)
+    grad_N = torch.full((N,), 1.0 / N, device="cuda")
+    return logits_NV, targets_N, grad_N, grad_N.abs().amax() / head.GRAD_FP8_SCALE
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    logits_NV = (3.0 * torch.randn(N, V, device="cuda", generator=gen)).bfloat16()
-    targets_N = torch.randint(0, V, (N,), device="cuda", generator=gen)
-    grad_N = torch.full((N,), 1.0 / N, device="cuda")
-    g_scale = grad_N.abs().amax() / head.GRAD_FP8_SCALE
+    logits_NV, targets_N, grad_N, g_scale = training_problem()
     lse_N, _ = head_kernels.lse_and_loss(logits_NV, targets_N, SOFTCAP)
 
     compiled_forward = torch.compile(head.lse_and_loss, dynamic=False)

@@ -24,10 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
+from bench.head_kernels import N, SOFTCAP, V, training_problem
 from bench.timing import median_ms
 from model import head, head_kernels
 
-N, V, SOFTCAP = 48 * 1024, 50304, 15.0
 LOG2E = tl.constexpr(1.4426950408889634)
 # 2^f on [-0.5, 0.5]: relative error 2.3e-7 (about 2 ulp) evaluated in fp32 (near-minimax coefficients,
 # fitted here by Lawson-weighted least squares on Chebyshev nodes)
@@ -158,11 +158,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    logits_NV = (3.0 * torch.randn(N, V, device="cuda", generator=gen)).bfloat16()
-    targets_N = torch.randint(0, V, (N,), device="cuda", generator=gen)
-    grad_N = torch.full((N,), 1.0 / N, device="cuda")
-    g_scale = grad_N.abs().amax() / head.GRAD_FP8_SCALE
+    logits_NV, targets_N, grad_N, g_scale = training_problem()  # the same as bench/head_kernels.py's
     one = torch.ones((), device="cuda")
     # fp64 references on the first rows (accuracy) from model/head.py's torch ops
     R = 2048
