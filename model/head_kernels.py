@@ -13,17 +13,17 @@ the bf16 logits once per pass and write the gradient once per layout:
   (bench/results/head_kernels_1xH200.json): 4.37 ms for the two, against 7.87 ms for inductor's kernel; one
   kernel storing each tile in both layouts took 7.6-10.8 ms at six tile shapes (head_kernels_1xH200_8ab2f99.json).
 
-The softcap z = c tanh(l / c) takes one special-function (MUFU) operation, PTX's tanh.approx.f32, and the softmax
-its exp2: two per element, where the exp2 and division of tanh's sigmoid form made three. At the H200's 16 per SM per
-clock, three took ~1.8 ms per micro-batch and held the forward at 1.92 ms against its ~1 ms of memory traffic; with
-two, the forward took 1.33 ms and the FP8 backward's first kernel 2.20 ms instead of 3.08
-(bench/results/head_math_1xH200.json), and the whole step 700.1 ms instead of 716.4 on one machine
-(bench/results/README.md). tanh.approx's largest relative error is 1.1e-5, measured there over every
-fp32 from 2^-10 to 9.1 (as N. Juffa found for the instruction on Turing, NVIDIA developer forums, 2021): z is off by
-at most 1.7e-4 and tanh' = 1 - tanh^2 by at most 1.3e-5 of its bound of 1 (measured), far below the bf16 rounding
-of the logits and the e5m2 rounding of the gradient. On the bench's logits the loss moved by 3.5e-6 on average
-against fp64 (the sigmoid form: 3.9e-7). The Triton interpreter runs no PTX: there, tanh is computed from exp2 in
-fp32.
+The softcap z = c tanh(l / c) takes one special-function (MUFU) operation, PTX's tanh.approx.f32 (sm_75 and later;
+the bf16 model needs sm_80 anyway), and the softmax's exp2 one more: two per element, where the exp2 and division of
+tanh's sigmoid form made three. At the H200's 16 per SM per clock, three took ~1.8 ms per micro-batch and held the
+forward at 1.92 ms against its ~1 ms of memory traffic; with two, the forward took 1.33 ms and the FP8 backward's
+first kernel 2.20 ms instead of 3.08 (bench/results/head_math_1xH200.json), and the whole step 700.1 ms instead of
+716.4 on one machine (bench/results/README.md). tanh.approx's largest relative error is 1.1e-5, measured there over
+every fp32 from 2^-10 to 9.1 (as N. Juffa found for the instruction on Turing, NVIDIA developer forums, 2021): z is
+off by at most 1.7e-4 and tanh' = 1 - tanh^2 by at most 1.3e-5 of its bound of 1 (measured), far below the bf16
+rounding of the logits and the e5m2 rounding of the gradient. On the bench's logits the loss moved by 3.5e-6 on
+average against fp64 (the sigmoid form: 3.9e-7). The Triton interpreter runs no PTX: there, tanh is computed from
+exp2 in fp32.
 
 Each function is a torch.library.triton_op: it runs as a plain kernel launch in eager mode, and torch.compile
 (HeadLoss runs inside the compiled Head) sees the kernels themselves. Launch configurations are fixed: autotuning
