@@ -62,7 +62,8 @@ _BACKWARD_BLOCK_N, _BACKWARD_BLOCK_V, _BACKWARD_WARPS = 32, 256, 4
 _TRANSPOSE_BLOCK_R, _TRANSPOSE_BLOCK_C, _TRANSPOSE_WARPS = 64, 128, 4
 
 
-# The interpreter (TRITON_INTERPRET=1, CPU tests) cannot run inline PTX
+# The interpreter (TRITON_INTERPRET=1, CPU tests) cannot run inline PTX; triton reads the same variable when it
+# decorates the kernels, so the two always agree
 _TANH_ON_MUFU = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
