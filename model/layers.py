@@ -17,6 +17,11 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from model.attention import attend
 
+try:  # the CUDA path's Triton kernels; CPU-only installs (CI) lack triton and run the torch ops below
+    from model import mlp_kernels
+except ImportError:
+    mlp_kernels = None
+
 
 GATE_FRACTION = 64  # the attention gate reads the first D / 64 channels (record #28's dampen_factor)
 
@@ -97,6 +102,40 @@ class Attention(nn.Module):
         return F.linear(y_BTA, self.proj_w.type_as(y_BTA)), v_BTHd
 
 
+def relu2_matmul(x_MK: Tensor, w_KN: Tensor) -> Tensor:
+    """relu(x @ w)^2 (ReLU², So et al. 2021, Primer), by torch ops: ReLU2MLP's path off CUDA and the reference of
+    model/mlp_kernels.py's kernel of the same name."""
+    return F.relu(x_MK @ w_KN).square()
+
+
+def relu2_matmul_grad(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor) -> Tensor:
+    """The gradient of h = relu(pre)^2 w.r.t. pre, (grad_y @ w) * 2 relu(pre), from h itself: relu(pre) = sqrt(h)."""
+    return (grad_y_MK @ w_KN) * (2.0 * h_MN.sqrt())
+
+
+class ReLU2MLP(torch.autograd.Function):
+    """y = relu(x @ W1)^2 @ W2^T for x (M, D) and W1, W2 (D, F) in x's dtype, keeping only x, the weights and the
+    hidden h = relu(x @ W1)^2 for backward. On CUDA the two products that make or use the (M, F) hidden tensor run
+    in the Triton kernels of model/mlp_kernels.py, with the ReLU² in their epilogues; elsewhere in the torch ops
+    above (same names, same results)."""
+
+    @staticmethod
+    def forward(ctx, x_MD: Tensor, fc_DF: Tensor, proj_DF: Tensor) -> Tensor:
+        on_kernels = x_MD.is_cuda and mlp_kernels is not None and mlp_kernels.supports(x_MD, fc_DF)
+        h_MF = (mlp_kernels.relu2_matmul if on_kernels else relu2_matmul)(x_MD, fc_DF)
+        ctx.save_for_backward(x_MD, fc_DF, proj_DF, h_MF)
+        ctx.on_kernels = on_kernels
+        return h_MF @ proj_DF.t()
+
+    @staticmethod
+    def backward(ctx, grad_y_MD: Tensor):
+        x_MD, fc_DF, proj_DF, h_MF = ctx.saved_tensors
+        grad_y_MD = grad_y_MD.contiguous()
+        grad_pre_MF = (mlp_kernels.relu2_matmul_grad if ctx.on_kernels else relu2_matmul_grad)(grad_y_MD, proj_DF,
+                                                                                             h_MF)
+        return grad_pre_MF @ fc_DF.t(), x_MD.t() @ grad_pre_MF, grad_y_MD.t() @ h_MF
+
+
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
@@ -111,9 +150,9 @@ class MLP(nn.Module):
         nn.init.zeros_(self.proj_w)  # zero-init output projection (modded-nanogpt)
 
     def forward(self, x_BTD: Tensor) -> Tensor:
-        h_BTF = x_BTD @ self.fc_w.type_as(x_BTD)
-        h_BTF = F.relu(h_BTF).square()  # ReLU² (So et al. 2021, Primer)
-        return F.linear(h_BTF, self.proj_w.type_as(h_BTF))
+        x_MD = x_BTD.flatten(0, 1)
+        y_MD = ReLU2MLP.apply(x_MD, self.fc_w.type_as(x_MD), self.proj_w.type_as(x_MD))
+        return y_MD.view_as(x_BTD)
 
 
 class Block(nn.Module):

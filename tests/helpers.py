@@ -1,5 +1,9 @@
 """Shared test fixtures that are plain functions (imported by several test files)."""
 import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import torch._dynamo
@@ -24,6 +28,16 @@ def recorded_compile(model: GPT):
             yield graphs
         finally:
             torch._dynamo.reset()
+
+
+def run_interpreted(test_file: str, passed: int) -> None:
+    """Run test_file's tests marked by "interpreted" in their name in a child pytest with TRITON_INTERPRET=1, which
+    must be set before triton decorates the kernels (when model.head / model.layers import them); assert that
+    exactly `passed` ran and passed."""
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k",
+                            "interpreted"], cwd=Path(__file__).parents[1], env={**os.environ, "TRITON_INTERPRET": "1"},
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0 and f"{passed} passed" in child.stdout.splitlines()[-1], child.stdout + child.stderr
 
 
 def random_gpt(config: GPTConfig, seed: int, std: float) -> GPT:

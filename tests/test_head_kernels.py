@@ -7,9 +7,6 @@ tests/test_head_kernels.py` runs them directly."""
 import importlib.util
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +14,7 @@ import torch.nn.functional as F
 
 from model import head
 from model.head import GRAD_FP8_SCALE, IGNORE_INDEX
+from helpers import run_interpreted
 
 SOFTCAP = 15.0
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -167,10 +165,7 @@ def test_compiled_ops_launch_only_the_kernels():
 @pytest.mark.skipif(INTERPRETED, reason="the child itself")
 def test_kernels_in_the_triton_interpreter():
     """The interpreted tests below, in a child process with TRITON_INTERPRET=1."""
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                            "interpreted"], cwd=Path(__file__).parents[1], env={**os.environ, "TRITON_INTERPRET": "1"},
-                           capture_output=True, text=True, timeout=300)
-    assert child.returncode == 0 and "3 passed" in child.stdout.splitlines()[-1], child.stdout + child.stderr
+    run_interpreted(__file__, passed=3)
 
 
 # Sizes off every tile: 2,500 columns = 2,048 + 452 (forward) = 9 x 256 + 196 (backward); the transpose's tiles:

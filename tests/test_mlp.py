@@ -1,0 +1,150 @@
+"""The MLP's autograd.Function (model/layers.py, ReLU2MLP) against autograd through plain torch ops, and the Triton
+kernels of model/mlp_kernels.py against the torch ops of model/layers.py (same names).
+
+The kernels run on a GPU (`pytest -m gpu`) at the training's sizes, and on the CPU through the Triton interpreter
+where triton is installed, in a child pytest (`test_kernels_in_the_triton_interpreter`; see tests/helpers.py)."""
+import importlib.util
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import run_interpreted
+from model import layers
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+gpu = pytest.mark.gpu
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_in_the_triton_interpreter's child")
+
+
+def operands(m, k, n, dtype, device, seed=0):
+    """x (M, K) and the two (K, N) weights at the model's init scale, an upstream gradient (M, K). x's last row
+    is zero, so its pre-activations are exactly 0: relu's kink, where the gradient must be 0 on both paths."""
+    g = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device=device)
+    x[-1] = 0.0
+    w1 = torch.randn(k, n, generator=g, device=device) * 0.5 * k ** -0.5
+    w2 = torch.randn(k, n, generator=g, device=device) * n ** -0.5
+    grad_y = torch.randn(m, k, generator=g, device=device)
+    return [t.to(dtype) for t in (x, w1, w2, grad_y)]
+
+
+def plain_mlp(x, w1, w2):
+    """The MLP by autograd's own rules: relu(x @ W1)^2 @ W2^T."""
+    return F.relu(x @ w1).square() @ w2.t()
+
+
+def grads(fn, x, w1, w2, grad_y):
+    leaves = [t.detach().requires_grad_() for t in (x, w1, w2)]
+    y = fn(*leaves)
+    y.backward(grad_y)
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+# --- CPU, torch ops -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_function_matches_autograd(dtype, rtol):
+    """Output and all three gradients equal autograd's through relu(pre)^2, though the Function takes relu(pre)
+    from sqrt(h): to rounding in fp64 and fp32."""
+    args = operands(37, 16, 64, dtype, "cpu")
+    for got, want in zip(grads(layers.ReLU2MLP.apply, *args), grads(plain_mlp, *args), strict=True):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * want.abs().max().item())
+
+
+def test_function_matches_autograd_in_bf16():
+    """In bf16 the two differ by the rounding of the saved tensor (h, against the pre-activation): each gradient stays
+    within 1% of fp64 autograd's largest value, as autograd's own bf16 gradients do."""
+    args = operands(64, 32, 128, torch.bfloat16, "cpu")
+    want = grads(plain_mlp, *[t.double() for t in args])
+    for got, own, exact in zip(grads(layers.ReLU2MLP.apply, *args), grads(plain_mlp, *args), want, strict=True):
+        scale = exact.abs().max().item()
+        assert (own.double() - exact).abs().max().item() < 1e-2 * scale  # the bound is not loose for autograd
+        torch.testing.assert_close(got.double(), exact, rtol=0, atol=1e-2 * scale)
+
+
+def test_mlp_module_uses_the_function():
+    """model.layers.MLP on (B, T, D) is the plain MLP on the flattened tokens, weights cast to x's dtype."""
+    torch.manual_seed(0)
+    mlp = layers.MLP(16, 64)
+    mlp.init_weights()
+    with torch.no_grad():
+        mlp.proj_w.normal_()
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(mlp(x), plain_mlp(x.flatten(0, 1), mlp.fc_w, mlp.proj_w).view(2, 5, 16))
+
+
+# --- GPU ----------------------------------------------------------------------------------------------------------
+def check_kernels(m, k, n, device, rtol):
+    """relu2_matmul and relu2_matmul_grad against fp64 torch ops of the same bf16 operands: within one bf16
+    rounding of each value (rtol) plus fp32 accumulation over K, and exactly 0 where the pre-activation is 0."""
+    from model import mlp_kernels
+
+    x, w1, w2, grad_y = operands(m, k, n, torch.bfloat16, device)
+    h = mlp_kernels.relu2_matmul(x, w1)
+    want_h = layers.relu2_matmul(x.double(), w1.double())
+    assert h.dtype == torch.bfloat16 and h.shape == (m, n)
+    torch.testing.assert_close(h.double(), want_h, rtol=rtol, atol=1e-5 * want_h.abs().max().item())
+    g = mlp_kernels.relu2_matmul_grad(grad_y, w2, h)
+    # the reference takes relu(pre) from the exact pre-activation, not from the bf16 h: sqrt(h) adds half of h's
+    # rounding to the kernel's own
+    want_g = (grad_y.double() @ w2.double()) * 2.0 * F.relu(x.double() @ w1.double())
+    torch.testing.assert_close(g.double(), want_g, rtol=1.5 * rtol, atol=1e-5 * want_g.abs().max().item())
+    assert not h[-1].any() and not g[-1].any()
+
+
+@gpu
+@pytest.mark.parametrize("m, k, n", [(49152, 768, 3072), (300, 72, 520)])
+def test_kernels_on_gpu(m, k, n):
+    """The record's MLP (49,152 tokens) and a size off every tile: 300 = 2 x 128 + 44 rows, 72 = 64 + 8 inputs, 520 =
+    4 x 128 + 8 hidden units."""
+    check_kernels(m, k, n, "cuda", rtol=2.0 ** -8)
+
+
+@gpu
+def test_function_on_gpu_matches_autograd():
+    """The Function on the kernels against autograd's bf16 MLP, both against fp64: each result within 1% of fp64's
+    largest value, and at least as close to fp64 as autograd's (within 10% of its error)."""
+    args = operands(4096, 768, 3072, torch.bfloat16, "cuda")
+    exact = grads(plain_mlp, *[t.double() for t in args])
+    for got, own, want in zip(grads(layers.ReLU2MLP.apply, *args), grads(plain_mlp, *args), exact, strict=True):
+        err, own_err = (got.double() - want).abs().max().item(), (own.double() - want).abs().max().item()
+        assert err < 1e-2 * want.abs().max().item() and err < 1.1 * own_err, (err, own_err)
+
+
+@gpu
+def test_compiled_function_launches_the_kernels_without_copies():
+    """Under torch.compile the Function's forward and backward launch the two kernels, each once, and no copy of
+    their operands; the compiled results equal the eager ones."""
+    from torch._inductor.utils import run_and_get_code
+
+    args = operands(4096, 768, 3072, torch.bfloat16, "cuda")
+
+    def mlp(x, w1, w2):
+        return layers.ReLU2MLP.apply(x, w1, w2)
+
+    got, codes = run_and_get_code(grads, torch.compile(mlp, dynamic=False), *args)
+    launched = [re.sub(r"(_\d+)+$", "", name) for name in re.findall(r"(\w+)\.run\(", "\n".join(codes))]
+    assert sorted(launched) == ["_relu2_matmul_kernel", "_relu2_matmul_kernel"], launched
+    for a, b in zip(got, grads(mlp, *args), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+# --- CPU, Triton interpreter --------------------------------------------------------------------------------------
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch)")
+@pytest.mark.skipif(INTERPRETED, reason="the child itself")
+def test_kernels_in_the_triton_interpreter():
+    """The interpreted test below, in a child process with TRITON_INTERPRET=1."""
+    run_interpreted(__file__, passed=1)
+
+
+@interpreted
+@pytest.mark.skipif(tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4),
+                    reason="triton 3.6's interpreter fails on a runtime loop bound with numpy >= 2.4 "
+                           "(triton-lang/triton#9171); the kernel's tile loop has one")
+def test_interpreted_kernels():
+    """Tile edges on every axis (as test_kernels_on_gpu's small size), 15 tiles over 4 persistent programs. The
+    interpreter rounds fp32 -> bf16 by truncation (the GPU to nearest): within 2^-7, not 2^-8."""
+    check_kernels(300, 72, 520, "cpu", rtol=2.0 ** -7)
