@@ -16,13 +16,16 @@ One persistent program per SM walks the output tiles, M-tiles outermost, so the 
 share a few strips of A while B (768 x 3,072 in bf16: 4.7 MB) stays in the H200's 50 MB L2. Operands move by TMA
 (tensor descriptors), and the tile loop and the K loop are one flattened loop (`tl.range(flatten=True)`), so the
 next tile's loads are in flight during this tile's epilogue. Measured per 49,152-token micro-batch on the H200
-(bench/results/mlp_variants_1xH200.json, 8 tile shapes x 3 structures): forward 0.385 ms against cuBLAS's 0.36 ms
-for the bare product; backward 0.513 ms. Without the flattening, one program per tile, or with pointer loads
-instead of TMA, each took 0.42-0.75 ms.
+(bench/results/mlp_variants_1xH200.json, 8 tile shapes x 3 epilogue forms): forward 0.385 ms against cuBLAS's
+0.36 ms for the bare product, backward 0.513 ms. Unflattened, the best took 0.427 and 0.522 ms; with pointer loads
+instead of TMA, 0.427 and 0.563 ms. The first sweep (mlp_variants_1xH200_first_sweep.json, another machine) found
+nothing faster among pointer loads and one program per tile either. The whole step took 702.4 ms instead of 712.8
+on one machine, and 3.4 GiB less memory (bench/results/README.md).
 
 The launches are plain functions, not torch.library.triton_ops as in model/head_kernels.py: dynamo traces them
 inside ReLU2MLP, and only there does it turn the host-side tensor descriptors into what inductor passes to a user
-kernel (in a triton_op, torch 2.11's inductor lost them and copied every operand: bench/results/README.md). Launch
+kernel. Inside a triton_op, torch 2.11's inductor failed on them (KeyError 'a_desc' in its analysis of which
+inputs a kernel writes) and its compiled code launched neither kernel (bench/results/README.md). Launch
 configurations are fixed (autotuning would lengthen the cold compile).
 
 Shape legend: M tokens, K model dim, N hidden dim.
