@@ -43,17 +43,23 @@ def forward_backward(fn, x, w1, w2, grad_y):
     return run
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-
+def training_problem():
+    """(x, W1, W2, grad_y, h) of one micro-batch on the GPU in bf16: W1 at the model's init scale, W2 at a trained
+    one's (its init is zero), h = relu(x @ W1)^2 by torch ops."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(M, D, device="cuda", generator=gen).bfloat16()
     w1 = (torch.randn(D, HIDDEN, device="cuda", generator=gen) * 0.5 * D ** -0.5).bfloat16()
     w2 = (torch.randn(D, HIDDEN, device="cuda", generator=gen) * HIDDEN ** -0.5).bfloat16()
     grad_y = torch.randn(M, D, device="cuda", generator=gen).bfloat16()
-    h = layers.relu2_matmul(x, w1)
+    return x, w1, w2, grad_y, layers.relu2_matmul(x, w1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    x, w1, w2, grad_y, h = training_problem()
 
     compiled_forward = torch.compile(layers.relu2_matmul, dynamic=False)
     compiled_backward = torch.compile(layers.relu2_matmul_grad, dynamic=False)

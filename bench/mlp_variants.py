@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bench.head_kernels import attempt
-from bench.mlp_kernels import D, HIDDEN, M, tflops
+from bench.mlp_kernels import tflops, training_problem
 from model import layers
 
 
@@ -114,12 +114,7 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(M, D, device="cuda", generator=gen).bfloat16()
-    w1 = (torch.randn(D, HIDDEN, device="cuda", generator=gen) * 0.5 * D ** -0.5).bfloat16()
-    w2 = (torch.randn(D, HIDDEN, device="cuda", generator=gen) * HIDDEN ** -0.5).bfloat16()
-    grad_y = torch.randn(M, D, device="cuda", generator=gen).bfloat16()
-    h = layers.relu2_matmul(x, w1)
+    x, w1, w2, grad_y, h = training_problem()
     want_h, want_g = h.float(), layers.relu2_matmul_grad(grad_y, w2, h).float()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
