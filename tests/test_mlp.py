@@ -18,6 +18,10 @@ from model import layers
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 gpu = pytest.mark.gpu
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_in_the_triton_interpreter's child")
+numpy_breaks_the_interpreter = pytest.mark.skipif(
+    tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4),
+    reason="triton 3.6's interpreter fails on a runtime loop bound with numpy >= 2.4 (triton-lang/triton#9171), "
+           "and the kernel's tile loop has one; the GPU tests run the kernel")
 
 
 def operands(m, k, n, dtype, device, seed=0):
@@ -135,15 +139,14 @@ def test_compiled_function_launches_the_kernels_without_copies():
 # --- CPU, Triton interpreter --------------------------------------------------------------------------------------
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch)")
 @pytest.mark.skipif(INTERPRETED, reason="the child itself")
+@numpy_breaks_the_interpreter
 def test_kernels_in_the_triton_interpreter():
     """The interpreted test below, in a child process with TRITON_INTERPRET=1."""
     run_interpreted(__file__, passed=1)
 
 
 @interpreted
-@pytest.mark.skipif(tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4),
-                    reason="triton 3.6's interpreter fails on a runtime loop bound with numpy >= 2.4 "
-                           "(triton-lang/triton#9171); the kernel's tile loop has one")
+@numpy_breaks_the_interpreter
 def test_interpreted_kernels():
     """Tile edges on every axis (as test_kernels_on_gpu's small size), 15 tiles over 4 persistent programs. The
     interpreter rounds fp32 -> bf16 by truncation (the GPU to nearest): within 2^-7, not 2^-8."""
