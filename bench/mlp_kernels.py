@@ -63,13 +63,17 @@ def main():
 
     compiled_forward = torch.compile(layers.relu2_matmul, dynamic=False)
     compiled_backward = torch.compile(layers.relu2_matmul_grad, dynamic=False)
+    kernel_forward = torch.compile(mlp_kernels.relu2_matmul, dynamic=False)
+    kernel_backward = torch.compile(mlp_kernels.relu2_matmul_grad, dynamic=False)
     result = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "M": M, "D": D, "F": HIDDEN,
         "cublas_product_ms": median_ms(lambda: x @ w1),
         "inductor_forward_ms": median_ms(lambda: compiled_forward(x, w1)),
         "inductor_backward_ms": median_ms(lambda: compiled_backward(grad_y, w2, h)),
-        "triton_forward_ms": median_ms(lambda: mlp_kernels.relu2_matmul(x, w1)),
-        "triton_backward_ms": median_ms(lambda: mlp_kernels.relu2_matmul_grad(grad_y, w2, h)),
+        # compiled too: an eager launch through wrap_triton takes longer on the host than the kernel on the GPU,
+        # and the CUDA events then time the host (0.75-0.95 ms in mlp_kernels_1xH200_0253176.json)
+        "triton_forward_ms": median_ms(lambda: kernel_forward(x, w1)),
+        "triton_backward_ms": median_ms(lambda: kernel_backward(grad_y, w2, h)),
     }
     for side in ("cublas_product", "triton_forward", "triton_backward"):
         result[f"{side}_tflops"] = tflops(result[f"{side}_ms"])
