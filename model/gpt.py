@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from model.attention import block_mask, dense_mask, document_ids, short_window
 from model.head import Head
-from model.layers import Block, norm, rotary_tables
+from model.layers import Block, SkipAdd, norm, rotary_tables
 
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("flex", "sdpa")
@@ -205,7 +205,7 @@ class GPT(nn.Module):
         skips, v_first_BTHd = [], None
         for i, block in enumerate(self.blocks):
             if i >= L - num_skips:  # second half: add the mirrored first-half output (U-net)
-                x_BTD = x_BTD + self.skip_weights[i - (L - num_skips)].type_as(x_BTD) * skips.pop()
+                x_BTD = SkipAdd.apply(x_BTD, skips.pop(), self.skip_weights[i - (L - num_skips)])
             ve_index = cfg.value_embed_index(i)
             ve_BTA = None if ve_index is None else ves_BTA[ve_index]
             x_BTD, v_BTHd = block(x_BTD, x0_BTD, v_first_BTHd, ve_BTA, cos_TP, sin_TP, masks[cfg.is_short_window(i)])

@@ -18,9 +18,9 @@ from torch.nn.attention.flex_attention import BlockMask
 from model.attention import attend
 
 try:  # the CUDA path's Triton kernels; CPU-only installs (CI) lack triton and run the torch ops below
-    from model import mlp_kernels
+    from model import mlp_kernels, skip_kernels
 except ImportError:
-    mlp_kernels = None
+    mlp_kernels = skip_kernels = None
 
 
 GATE_FRACTION = 64  # the attention gate reads the first D / 64 channels (record #28's dampen_factor)
@@ -153,6 +153,32 @@ class MLP(nn.Module):
         x_MD = x_BTD.flatten(0, 1)
         y_MD = ReLU2MLP.apply(x_MD, self.fc_w.type_as(x_MD), self.proj_w.type_as(x_MD))
         return y_MD.view_as(x_BTD)
+
+
+def skip_add(x: Tensor, s: Tensor, w: Tensor) -> Tensor:
+    """x + w s for the U-net skip, w a 0-D weight, by torch ops: SkipAdd's path off CUDA and the reference of
+    model/skip_kernels.py's kernel of the same name."""
+    return x + w.type_as(x) * s
+
+
+class SkipAdd(torch.autograd.Function):
+    """x + w s with its gradients (g, w g, sum(g s)). On CUDA both directions are one Triton kernel each
+    (model/skip_kernels.py), computed in fp32 with w read in its own dtype; elsewhere the torch ops of skip_add."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, s: Tensor, w: Tensor) -> Tensor:
+        ctx.on_kernels = x.is_cuda and skip_kernels is not None
+        ctx.save_for_backward(s, w)
+        return skip_kernels.skip_add(x, s, w) if ctx.on_kernels else skip_add(x, s, w)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        s, w = ctx.saved_tensors
+        if ctx.on_kernels:
+            grad_s, grad_w = skip_kernels.skip_add_grad(grad.contiguous(), s, w)
+        else:
+            grad_s, grad_w = w.type_as(grad) * grad, (grad * s).sum().to(w.dtype)
+        return grad, grad_s, grad_w
 
 
 class Block(nn.Module):
