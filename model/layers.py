@@ -18,9 +18,9 @@ from torch.nn.attention.flex_attention import BlockMask
 from model.attention import attend
 
 try:  # the CUDA path's Triton kernels; CPU-only installs (CI) lack triton and run the torch ops below
-    from model import mlp_kernels, skip_kernels
+    from model import mlp_kernels, qkv_kernels, skip_kernels
 except ImportError:
-    mlp_kernels = skip_kernels = None
+    mlp_kernels = qkv_kernels = skip_kernels = None
 
 
 GATE_FRACTION = 64  # the attention gate reads the first D / 64 channels (record #28's dampen_factor)
@@ -53,6 +53,43 @@ def _uniform_(w: Tensor, std: float) -> None:
     nn.init.uniform_(w, -bound, bound)
 
 
+def qkv_prep(qkv_BT3Hd: Tensor, cos_TP: Tensor, sin_TP: Tensor, lambdas: Tensor, v_first_BTHd: Tensor | None,
+             ve_BTA: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(q, k, v) (B, T, H, d) for attention from the fused projection's output (B, T, 3H, d): q and k RMS-normed and
+    rotated, v = own v + first v_first + embed ve with (own, first, embed) = lambdas, the terms of absent inputs
+    left out. By torch ops: Attention's path off CUDA and the reference of model/qkv_kernels.py's kernels."""
+    q_BTHd, k_BTHd, v_BTHd = qkv_BT3Hd.chunk(3, dim=2)
+    # QK-norm (Dehghani et al. 2023): bounded logits, stable at high learning rates
+    q_BTHd = apply_rotary(norm(q_BTHd), cos_TP, sin_TP)
+    k_BTHd = apply_rotary(norm(k_BTHd), cos_TP, sin_TP)
+    own, first, embed = lambdas.type_as(qkv_BT3Hd).unbind()
+    v_BTHd = own * v_BTHd
+    if v_first_BTHd is not None:  # value residual (Zhou et al. 2024, "Value Residual Learning")
+        v_BTHd = v_BTHd + first * v_first_BTHd
+    if ve_BTA is not None:  # value embeddings (modded-nanogpt record of 2024-11)
+        v_BTHd = v_BTHd + embed * ve_BTA.view(v_BTHd.shape)
+    return q_BTHd, k_BTHd, v_BTHd
+
+
+class QKVPrep(torch.autograd.Function):
+    """qkv_prep on the Triton kernels of model/qkv_kernels.py, one each way (CUDA, or the CPU under the Triton
+    interpreter); saves only its inputs for backward."""
+
+    @staticmethod
+    def forward(ctx, qkv_BT3Hd: Tensor, cos_TP: Tensor, sin_TP: Tensor, lambdas: Tensor, v_first_BTHd: Tensor | None,
+                ve_BTA: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        ctx.save_for_backward(qkv_BT3Hd, cos_TP, sin_TP, lambdas, v_first_BTHd, ve_BTA)
+        return qkv_kernels.qkv_prep(qkv_BT3Hd, cos_TP, sin_TP, lambdas, v_first_BTHd, ve_BTA)
+
+    @staticmethod
+    def backward(ctx, grad_q: Tensor, grad_k: Tensor, grad_v: Tensor):
+        qkv_BT3Hd, cos_TP, sin_TP, lambdas, v_first_BTHd, ve_BTA = ctx.saved_tensors
+        grad_qkv, grad_lambdas, grad_v_first, grad_ve = qkv_kernels.qkv_prep_grad(
+            grad_q, grad_k, grad_v, qkv_BT3Hd, cos_TP, sin_TP, lambdas, v_first_BTHd, ve_BTA)
+        return (grad_qkv, None, None, grad_lambdas, None if v_first_BTHd is None else grad_v_first,
+                None if ve_BTA is None else grad_ve)
+
+
 class Attention(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int, scale: float, gate: bool = True):
         super().__init__()
@@ -83,16 +120,9 @@ class Attention(nn.Module):
         B, T, _ = x_BTD.shape
         H, d = self.num_heads, self.head_dim
         qkv_BT3Hd = F.linear(x_BTD, self.qkv_w.flatten(0, 1).type_as(x_BTD)).view(B, T, 3 * H, d)
-        q_BTHd, k_BTHd, v_BTHd = qkv_BT3Hd.chunk(3, dim=2)
-        # QK-norm (Dehghani et al. 2023): bounded logits, stable at high learning rates
-        q_BTHd = apply_rotary(norm(q_BTHd), cos_TP, sin_TP)
-        k_BTHd = apply_rotary(norm(k_BTHd), cos_TP, sin_TP)
-        own, first, embed = self.value_lambdas.type_as(x_BTD).unbind()
-        v_BTHd = own * v_BTHd
-        if v_first_BTHd is not None:  # value residual (Zhou et al. 2024, "Value Residual Learning")
-            v_BTHd = v_BTHd + first * v_first_BTHd
-        if ve_BTA is not None:  # value embeddings (modded-nanogpt record of 2024-11)
-            v_BTHd = v_BTHd + embed * ve_BTA.view(B, T, H, d)
+        on_kernels = x_BTD.is_cuda and qkv_kernels is not None
+        q_BTHd, k_BTHd, v_BTHd = (QKVPrep.apply if on_kernels else qkv_prep)(
+            qkv_BT3Hd, cos_TP, sin_TP, self.value_lambdas, v_first_BTHd, ve_BTA)
         y_BHTd = attend(q_BTHd.transpose(1, 2), k_BTHd.transpose(1, 2), v_BTHd.transpose(1, 2), mask, self.scale)
         y_BTHd = y_BHTd.transpose(1, 2)
         if self.gate_w is not None:

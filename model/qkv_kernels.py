@@ -1,0 +1,198 @@
+"""Triton kernels of the attention's inputs (model/layers.py, QKVPrep) on CUDA: from the fused projection's
+(B, T, 3H, d) output, the QK-norm and rotary embedding of q and k and the mix of the values, in one pass each way.
+
+Compiled from torch ops (model.layers.qkv_prep), the forward took two kernels per layer and micro-batch on the
+H200: q and k's norm and rotation (~170 us, its reductions looping three times over each row) and the values'
+mix (~35-55 us); the backward two more (~210 and ~80-120 us) (bench/results/profile_step28_1xH200_fa8347a.txt).
+Their traffic is ~0.5 GB forward and ~0.8 GB backward, ~120 and ~190 us at the ~4.3 TB/s a copy reaches there.
+Here each side reads every row once:
+- forward: q, k, v and the optional value inputs in; q and k normed and rotated, and the mixed v out;
+- backward: the three output gradients (any strides: FlexAttention's come transposed) and the forward's inputs
+  in; the projection's gradient (B, T, 3H, d), the value inputs' gradients and one fp32 partial sum per program
+  and value weight out, which torch sums (a fixed order: the same bits every run). The norm's 1 / rms is
+  recomputed from q and k rather than saved.
+
+All arithmetic is fp32 (the value weights are read as the fp32 masters), with one rounding per stored value.
+The functions are torch.library.triton_ops, as in model/head_kernels.py: they run inside the compiled blocks,
+where inductor launches the kernels directly. Launch configurations are fixed (autotuning would lengthen the
+cold compile). As there, no @triton.jit helper takes a pointer: inductor would count it as written and copy it.
+
+Shape legend: B batch rows, T tokens, H heads, d head dim, P = d // 2 rotary pairs; R = B T H rows of d.
+"""
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+_EPS = tl.constexpr(1.1920928955078125e-07)  # F.rms_norm's default: fp32's eps, also for bf16 input
+# (rows per program, warps), the fastest in bench/results/qkv_kernels_1xH200.json
+FORWARD_CONFIG = (16, 4)
+BACKWARD_CONFIG = (16, 4)
+
+
+@triton.jit
+def _norm_rotary(x1, x2, cos, sin, D: tl.constexpr):
+    """Rows of (x1, x2), each half (rows, P) in fp32: RMS-normed over both halves, then pair j turned by its angle."""
+    r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + _EPS)[:, None]
+    n1, n2 = x1 * r, x2 * r
+    return n1 * cos + n2 * sin, n2 * cos - n1 * sin
+
+
+@triton.jit
+def _norm_rotary_grad(x1, x2, g1, g2, cos, sin, D: tl.constexpr):
+    """The gradient for (x1, x2) of _norm_rotary's output, given its gradient (g1, g2)."""
+    r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + _EPS)[:, None]
+    n1, n2 = x1 * r, x2 * r
+    dn1, dn2 = g1 * cos - g2 * sin, g1 * sin + g2 * cos
+    dot = ((tl.sum(dn1 * n1, axis=1) + tl.sum(dn2 * n2, axis=1)) / D)[:, None]
+    return r * (dn1 - n1 * dot), r * (dn2 - n2 * dot)
+
+
+@triton.jit
+def _forward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve_ptr, q_ptr, k_ptr, v_ptr, R, T,
+                    H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, HAS_V_FIRST: tl.constexpr,
+                    HAS_VE: tl.constexpr):
+    P: tl.constexpr = D // 2
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    inside = (rows < R)[:, None]
+    half, full = tl.arange(0, P)[None, :], tl.arange(0, D)[None, :]
+    token = (rows // H).to(tl.int64)
+    src = (token * (3 * H * D) + (rows % H) * D)[:, None]  # row (t, h) of q; k and v are H and 2H rows further
+    dst = rows.to(tl.int64)[:, None] * D  # (B, T, H, d) outputs and value inputs
+    angle = (token % T)[:, None] * P + half
+    cos = tl.load(cos_ptr + angle, mask=inside, other=0.0)
+    sin = tl.load(sin_ptr + angle, mask=inside, other=0.0)
+
+    x1 = tl.load(qkv_ptr + src + half, mask=inside, other=0.0).to(tl.float32)
+    x2 = tl.load(qkv_ptr + src + P + half, mask=inside, other=0.0).to(tl.float32)
+    o1, o2 = _norm_rotary(x1, x2, cos, sin, D)
+    tl.store(q_ptr + dst + half, o1.to(q_ptr.dtype.element_ty), mask=inside)
+    tl.store(q_ptr + dst + P + half, o2.to(q_ptr.dtype.element_ty), mask=inside)
+
+    x1 = tl.load(qkv_ptr + src + H * D + half, mask=inside, other=0.0).to(tl.float32)
+    x2 = tl.load(qkv_ptr + src + H * D + P + half, mask=inside, other=0.0).to(tl.float32)
+    o1, o2 = _norm_rotary(x1, x2, cos, sin, D)
+    tl.store(k_ptr + dst + half, o1.to(k_ptr.dtype.element_ty), mask=inside)
+    tl.store(k_ptr + dst + P + half, o2.to(k_ptr.dtype.element_ty), mask=inside)
+
+    v = tl.load(lambdas_ptr) * tl.load(qkv_ptr + src + 2 * H * D + full, mask=inside, other=0.0).to(tl.float32)
+    if HAS_V_FIRST:
+        v += tl.load(lambdas_ptr + 1) * tl.load(v_first_ptr + dst + full, mask=inside, other=0.0).to(tl.float32)
+    if HAS_VE:
+        v += tl.load(lambdas_ptr + 2) * tl.load(ve_ptr + dst + full, mask=inside, other=0.0).to(tl.float32)
+    tl.store(v_ptr + dst + full, v.to(v_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _backward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve_ptr, dq_ptr, dk_ptr, dv_ptr,
+                     dq_sb, dq_st, dq_sh, dk_sb, dk_st, dk_sh, dv_sb, dv_st, dv_sh,
+                     dqkv_ptr, dv_first_ptr, dve_ptr, partial_ptr, R, T, H: tl.constexpr, D: tl.constexpr,
+                     BLOCK_R: tl.constexpr, HAS_V_FIRST: tl.constexpr, HAS_VE: tl.constexpr):
+    P: tl.constexpr = D // 2
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    inside = (rows < R)[:, None]
+    half, full = tl.arange(0, P)[None, :], tl.arange(0, D)[None, :]
+    token = (rows // H).to(tl.int64)
+    head = rows % H
+    batch, t = token // T, token % T
+    src = (token * (3 * H * D) + head * D)[:, None]
+    dst = rows.to(tl.int64)[:, None] * D
+    angle = t[:, None] * P + half
+    cos = tl.load(cos_ptr + angle, mask=inside, other=0.0)
+    sin = tl.load(sin_ptr + angle, mask=inside, other=0.0)
+
+    g = (batch * dq_sb + t * dq_st + head * dq_sh)[:, None]
+    x1 = tl.load(qkv_ptr + src + half, mask=inside, other=0.0).to(tl.float32)
+    x2 = tl.load(qkv_ptr + src + P + half, mask=inside, other=0.0).to(tl.float32)
+    g1 = tl.load(dq_ptr + g + half, mask=inside, other=0.0).to(tl.float32)
+    g2 = tl.load(dq_ptr + g + P + half, mask=inside, other=0.0).to(tl.float32)
+    d1, d2 = _norm_rotary_grad(x1, x2, g1, g2, cos, sin, D)
+    tl.store(dqkv_ptr + src + half, d1.to(dqkv_ptr.dtype.element_ty), mask=inside)
+    tl.store(dqkv_ptr + src + P + half, d2.to(dqkv_ptr.dtype.element_ty), mask=inside)
+
+    g = (batch * dk_sb + t * dk_st + head * dk_sh)[:, None]
+    x1 = tl.load(qkv_ptr + src + H * D + half, mask=inside, other=0.0).to(tl.float32)
+    x2 = tl.load(qkv_ptr + src + H * D + P + half, mask=inside, other=0.0).to(tl.float32)
+    g1 = tl.load(dk_ptr + g + half, mask=inside, other=0.0).to(tl.float32)
+    g2 = tl.load(dk_ptr + g + P + half, mask=inside, other=0.0).to(tl.float32)
+    d1, d2 = _norm_rotary_grad(x1, x2, g1, g2, cos, sin, D)
+    tl.store(dqkv_ptr + src + H * D + half, d1.to(dqkv_ptr.dtype.element_ty), mask=inside)
+    tl.store(dqkv_ptr + src + H * D + P + half, d2.to(dqkv_ptr.dtype.element_ty), mask=inside)
+
+    g_v = tl.load(dv_ptr + (batch * dv_sb + t * dv_st + head * dv_sh)[:, None] + full, mask=inside,
+                  other=0.0).to(tl.float32)
+    v_own = tl.load(qkv_ptr + src + 2 * H * D + full, mask=inside, other=0.0).to(tl.float32)
+    tl.store(dqkv_ptr + src + 2 * H * D + full, (tl.load(lambdas_ptr) * g_v).to(dqkv_ptr.dtype.element_ty),
+             mask=inside)
+    partial = partial_ptr + tl.program_id(0) * 3
+    tl.store(partial, tl.sum(tl.sum(g_v * v_own, axis=1), axis=0))
+    if HAS_V_FIRST:
+        v_first = tl.load(v_first_ptr + dst + full, mask=inside, other=0.0).to(tl.float32)
+        tl.store(dv_first_ptr + dst + full, (tl.load(lambdas_ptr + 1) * g_v).to(dv_first_ptr.dtype.element_ty),
+                 mask=inside)
+        tl.store(partial + 1, tl.sum(tl.sum(g_v * v_first, axis=1), axis=0))
+    else:
+        tl.store(partial + 1, 0.0)
+    if HAS_VE:
+        ve = tl.load(ve_ptr + dst + full, mask=inside, other=0.0).to(tl.float32)
+        tl.store(dve_ptr + dst + full, (tl.load(lambdas_ptr + 2) * g_v).to(dve_ptr.dtype.element_ty), mask=inside)
+        tl.store(partial + 2, tl.sum(tl.sum(g_v * ve, axis=1), axis=0))
+    else:
+        tl.store(partial + 2, 0.0)
+
+
+def _check(qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor, *values: Tensor | None) -> None:
+    B, T, H3, d = qkv.shape
+    torch._check(qkv.is_contiguous() and H3 % 3 == 0 and d % 2 == 0,
+                 lambda: "qkv must be the projection's contiguous (B, T, 3H, d) output")
+    torch._check(cos.shape == sin.shape == (T, d // 2) and cos.is_contiguous() and sin.is_contiguous()
+                 and cos.dtype == sin.dtype == torch.float32, lambda: "cos and sin must be contiguous fp32 (T, d/2)")
+    torch._check(lambdas.shape == (3,) and lambdas.is_contiguous(), lambda: "three value weights")
+    for t in values:
+        if t is not None:
+            torch._check(t.numel() == qkv.numel() // 3 and t.is_contiguous(),
+                         lambda: "value inputs must be contiguous, (B, T, H, d) or (B, T, H d)")
+
+
+@triton_op("speedrun::qkv_prep", mutates_args=())
+def qkv_prep(qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor, v_first: Tensor | None,
+             ve: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(q, k, v), each (B, T, H, d) in qkv's dtype: model.layers.qkv_prep."""
+    _check(qkv, cos, sin, lambdas, v_first, ve)
+    B, T, H3, d = qkv.shape
+    H = H3 // 3
+    q, k, v = (qkv.new_empty((B, T, H, d)) for _ in range(3))
+    block_r, warps = FORWARD_CONFIG
+    R = B * T * H
+    wrap_triton(_forward_kernel)[(triton.cdiv(R, block_r),)](
+        qkv, cos, sin, lambdas, qkv if v_first is None else v_first, qkv if ve is None else ve, q, k, v, R, T,
+        H=H, D=d, BLOCK_R=block_r, HAS_V_FIRST=v_first is not None, HAS_VE=ve is not None, num_warps=warps)
+    return q, k, v
+
+
+@triton_op("speedrun::qkv_prep_grad", mutates_args=())
+def qkv_prep_grad(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor,
+                  v_first: Tensor | None, ve: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients for (qkv, lambdas, v_first, ve) from those of qkv_prep's outputs; an absent value input's
+    gradient is an empty tensor, and so is its weight's entry of lambdas' gradient 0."""
+    _check(qkv, cos, sin, lambdas, v_first, ve)
+    B, T, H3, d = qkv.shape
+    H = H3 // 3
+    for g in (dq, dk, dv):
+        torch._check(g.shape == (B, T, H, d) and g.stride(3) == 1, lambda: "gradients of (B, T, H, d), rows unit-stride")
+    dqkv = torch.empty_like(qkv)
+    # an absent input's gradient is never written: its pointer is dqkv's (a 0-element tensor may have none)
+    dv_first = torch.empty_like(v_first) if v_first is not None else qkv.new_empty(0)
+    dve = torch.empty_like(ve) if ve is not None else qkv.new_empty(0)
+    block_r, warps = BACKWARD_CONFIG
+    R = B * T * H
+    programs = triton.cdiv(R, block_r)
+    partial = torch.empty((programs, 3), dtype=torch.float32, device=qkv.device)
+    wrap_triton(_backward_kernel)[(programs,)](
+        qkv, cos, sin, lambdas, qkv if v_first is None else v_first, qkv if ve is None else ve, dq, dk, dv,
+        dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2), dqkv, dqkv if v_first is None else dv_first,
+        dqkv if ve is None else dve, partial, R, T, H=H, D=d, BLOCK_R=block_r,
+        HAS_V_FIRST=v_first is not None, HAS_VE=ve is not None, num_warps=warps)
+    return dqkv, partial.sum(dim=0).to(lambdas.dtype), dv_first, dve

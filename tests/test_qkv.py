@@ -1,0 +1,100 @@
+"""The attention inputs' autograd.Function (model/layers.py, QKVPrep, on the Triton kernels of model/qkv_kernels.py)
+against autograd through the torch ops of model.layers.qkv_prep.
+
+The kernels run on a GPU (`pytest -m gpu`) at the training's size, and on the CPU through the Triton interpreter
+where triton is installed, in a child pytest (`test_kernels_in_the_triton_interpreter`; see tests/helpers.py)."""
+import importlib.util
+import os
+import re
+
+import pytest
+import torch
+
+from helpers import run_interpreted
+from model import layers
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+gpu = pytest.mark.gpu
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_in_the_triton_interpreter's child")
+# which of the optional value inputs a layer has: the record's layers have a value embedding or nothing
+PATTERNS = [(False, False), (False, True), (True, True)]
+
+
+def problem(B, T, H, d, dtype, device, v_first, ve, seed=0):
+    """The Function's inputs, with the model's rotary tables, weights off their init values, and the output
+    gradients; those of q and k are transposed views, as FlexAttention's (B, H, T, d) gradients arrive."""
+    gen = torch.Generator(device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+    cos, sin = layers.rotary_tables(T, d, 1024.0, torch.device(device))
+    inputs = [randn(B, T, 3 * H, d), cos, sin, torch.tensor([0.7, -0.4, 1.3], device=device),
+              randn(B, T, H, d) if v_first else None, randn(B, T, H * d) if ve else None]
+    grads = [randn(B, H, T, d).transpose(1, 2), randn(B, H, T, d).transpose(1, 2), randn(B, T, H, d)]
+    return inputs, grads
+
+
+def run(fn, inputs, grads):
+    """Outputs (q, k, v), then the gradients of qkv, the weights and the present value inputs."""
+    leaves = [t if t is None else t.detach().requires_grad_(i in (0, 3, 4, 5)) for i, t in enumerate(inputs)]
+    outs = fn(*leaves)
+    torch.autograd.backward(outs, grads)
+    return [o.detach() for o in outs] + [leaves[i].grad for i in (0, 3, 4, 5) if leaves[i] is not None]
+
+
+def check(B, T, H, d, dtype, device, rtol, atol):
+    """Every output and gradient of QKVPrep against fp64 autograd through qkv_prep, for each pattern of value
+    inputs: within rtol of each value plus atol of the largest; the weights' gradients (sums over all rows) within
+    1e-5 of their sum's magnitude bound."""
+    for v_first, ve in PATTERNS:
+        inputs, grads = problem(B, T, H, d, dtype, device, v_first, ve)
+        got = run(layers.QKVPrep.apply, inputs, grads)
+        exact = run(layers.qkv_prep, *[[t if t is None else t.double() for t in ts] for ts in (inputs, grads)])
+        for i, (a, want) in enumerate(zip(got, exact, strict=True)):
+            assert a.dtype == (torch.float32 if i == 4 else dtype) and a.shape == want.shape, i
+            if i == 4:  # the weights: a sum over B T H d products
+                bound = sum(g.double().abs().sum() * t.double().abs().max()
+                            for g, t in zip(grads[2:], inputs[:1] + inputs[4:]) if t is not None)
+                assert (a.double() - want).abs().max() < 1e-5 * bound, (a, want)
+            else:
+                torch.testing.assert_close(a.double(), want, rtol=rtol, atol=atol * want.abs().max().item())
+
+
+# --- GPU ----------------------------------------------------------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("B, T, H, d", [(1, 49152, 6, 128), (2, 37, 3, 64)])
+def test_kernels_on_gpu(B, T, H, d):
+    """The record's micro-batch, and 222 rows: 13 programs of 16 and a partial one, another head count and width."""
+    check(B, T, H, d, torch.bfloat16, "cuda", rtol=2.0 ** -8, atol=1e-5)
+
+
+@gpu
+def test_compiled_launches_only_the_kernels():
+    """Under torch.compile the forward and backward launch their kernel, the reduction of the weights' partial sums
+    (one kernel or a split pair) and nothing else: no copy of an operand that inductor believes written, which
+    would be a pointwise kernel. The results equal eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    inputs, grads = problem(1, 4096, 6, 128, torch.bfloat16, "cuda", v_first=False, ve=True)
+    got, codes = run_and_get_code(run, torch.compile(layers.QKVPrep.apply, dynamic=False), inputs, grads)
+    launched = [re.sub(r"(_\d+)+$", "", name) for name in re.findall(r"(\w+)\.run\(", "\n".join(codes))]
+    others = [name for name in launched if name not in ("_forward_kernel", "_backward_kernel")]
+    assert sorted(launched)[:2] == ["_backward_kernel", "_forward_kernel"] and 1 <= len(others) <= 2, launched
+    assert all(re.fullmatch(r"triton_(per|red)_fused\w*_sum\w*", name) for name in others), launched
+    for a, b in zip(got, run(layers.QKVPrep.apply, inputs, grads), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+# --- CPU, Triton interpreter --------------------------------------------------------------------------------------
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch)")
+@pytest.mark.skipif(INTERPRETED, reason="the child itself")
+def test_kernels_in_the_triton_interpreter():
+    """The interpreted test below, in a child process with TRITON_INTERPRET=1."""
+    run_interpreted(__file__, passed=1)
+
+
+@interpreted
+def test_interpreted_kernels():
+    """In fp32, 60 rows: 3 programs of 16 and a partial one."""
+    check(2, 10, 3, 16, torch.float32, "cpu", rtol=1e-5, atol=1e-6)
