@@ -2,10 +2,11 @@
 (B, T, 3H, d) output, the QK-norm and rotary embedding of q and k and the mix of the values, in one pass each way.
 
 Compiled from torch ops (model.layers.qkv_prep), the forward took two kernels per layer and micro-batch on the
-H200: q and k's norm and rotation (~170 us, its reductions looping three times over each row) and the values'
-mix (~35-55 us); the backward two more (~210 and ~80-120 us) (bench/results/profile_step28_1xH200_fa8347a.txt).
-Their traffic is ~0.5 GB forward and ~0.8 GB backward, ~120 and ~190 us at the ~4.3 TB/s a copy reaches there.
-Here each side reads every row once:
+H200: q and k's norm and rotation (168 us, its reductions looping three times over each row) and the values' mix
+(37-54 us); the backward two more (208 and 81-120 us) (bench/results/kernels_step28_1xH200_fa8347a.txt). Their
+traffic is 0.45-0.53 GB forward and 0.68-0.83 GB backward, 106-124 and 159-195 us at the 4.26 TB/s a copy
+reached there. Here each side reads every row once (below), and the whole step took 661.0 ms against 680.4 on one
+machine (bench/results/README.md):
 - forward: q, k, v and the optional value inputs in; q and k normed and rotated, and the mixed v out;
 - backward: the three output gradients (any strides: FlexAttention's come transposed) and the forward's inputs
   in; the projection's gradient (B, T, 3H, d), the value inputs' gradients and one fp32 partial sum per program
@@ -26,7 +27,9 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 _EPS = tl.constexpr(1.1920928955078125e-07)  # F.rms_norm's default: fp32's eps, also for bf16 input
-# (rows per program, warps), the fastest in bench/results/qkv_kernels_1xH200.json
+# (rows per program, warps): of 12 configurations (bench/results/qkv_kernels_1xH200.json), the fastest backward and
+# within 0.5% of the fastest forward, with and without a value embedding: forward 0.120 / 0.136 ms, backward
+# 0.169 / 0.205 ms per micro-batch, against 0.147 / 0.164 ms forward for inductor's kernels of the torch ops
 FORWARD_CONFIG = (16, 4)
 BACKWARD_CONFIG = (16, 4)
 
@@ -50,7 +53,7 @@ def _norm_rotary_grad(x1, x2, g1, g2, cos, sin, D: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve_ptr, q_ptr, k_ptr, v_ptr, R, T,
+def _qkv_forward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve_ptr, q_ptr, k_ptr, v_ptr, R, T,
                     H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, HAS_V_FIRST: tl.constexpr,
                     HAS_VE: tl.constexpr):
     P: tl.constexpr = D // 2
@@ -85,7 +88,7 @@ def _forward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve_ptr,
 
 
 @triton.jit
-def _backward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve_ptr, dq_ptr, dk_ptr, dv_ptr,
+def _qkv_backward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve_ptr, dq_ptr, dk_ptr, dv_ptr,
                      dq_sb, dq_st, dq_sh, dk_sb, dk_st, dk_sh, dv_sb, dv_st, dv_sh,
                      dqkv_ptr, dv_first_ptr, dve_ptr, partial_ptr, R, T, H: tl.constexpr, D: tl.constexpr,
                      BLOCK_R: tl.constexpr, HAS_V_FIRST: tl.constexpr, HAS_VE: tl.constexpr):
@@ -165,7 +168,7 @@ def qkv_prep(qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor, v_first: Te
     q, k, v = (qkv.new_empty((B, T, H, d)) for _ in range(3))
     block_r, warps = FORWARD_CONFIG
     R = B * T * H
-    wrap_triton(_forward_kernel)[(triton.cdiv(R, block_r),)](
+    wrap_triton(_qkv_forward_kernel)[(triton.cdiv(R, block_r),)](
         qkv, cos, sin, lambdas, qkv if v_first is None else v_first, qkv if ve is None else ve, q, k, v, R, T,
         H=H, D=d, BLOCK_R=block_r, HAS_V_FIRST=v_first is not None, HAS_VE=ve is not None, num_warps=warps)
     return q, k, v
@@ -180,7 +183,8 @@ def qkv_prep_grad(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, 
     B, T, H3, d = qkv.shape
     H = H3 // 3
     for g in (dq, dk, dv):
-        torch._check(g.shape == (B, T, H, d) and g.stride(3) == 1, lambda: "gradients of (B, T, H, d), rows unit-stride")
+        torch._check(g.shape == (B, T, H, d) and g.stride(3) == 1,
+                     lambda: "output gradients of shape (B, T, H, d), each row unit-stride")
     dqkv = torch.empty_like(qkv)
     # an absent input's gradient is never written: its pointer is dqkv's (a 0-element tensor may have none)
     dv_first = torch.empty_like(v_first) if v_first is not None else qkv.new_empty(0)
@@ -189,7 +193,7 @@ def qkv_prep_grad(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, 
     R = B * T * H
     programs = triton.cdiv(R, block_r)
     partial = torch.empty((programs, 3), dtype=torch.float32, device=qkv.device)
-    wrap_triton(_backward_kernel)[(programs,)](
+    wrap_triton(_qkv_backward_kernel)[(programs,)](
         qkv, cos, sin, lambdas, qkv if v_first is None else v_first, qkv if ve is None else ve, dq, dk, dv,
         dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), dqkv, dqkv if v_first is None else dv_first,
