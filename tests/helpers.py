@@ -1,10 +1,12 @@
 """Shared test fixtures that are plain functions (imported by several test files)."""
 import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch._dynamo
 
@@ -28,6 +30,26 @@ def recorded_compile(model: GPT):
             yield graphs
         finally:
             torch._dynamo.reset()
+
+
+# A kernel test file's tests that run only under the Triton interpreter, in interpreter_parent's child
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="runs in test_kernels_in_the_triton_interpreter's child")
+
+
+def interpreter_parent(test_file: str, passed: int, *marks):
+    """The test that runs test_file's `interpreted` tests in a child process (run_interpreted), for a kernel test file
+    to bind as test_kernels_in_the_triton_interpreter; it skips where triton is not installed and in the child."""
+    @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch)")
+    @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the child itself")
+    def test_kernels_in_the_triton_interpreter():
+        run_interpreted(test_file, passed)
+
+    test_kernels_in_the_triton_interpreter.__doc__ = f"The {passed} interpreted test(s) of {Path(test_file).name}, " \
+                                                     f"in a child process with TRITON_INTERPRET=1."
+    for mark in marks:
+        test_kernels_in_the_triton_interpreter = mark(test_kernels_in_the_triton_interpreter)
+    return test_kernels_in_the_triton_interpreter
 
 
 def run_interpreted(test_file: str, passed: int) -> None:

@@ -4,8 +4,6 @@ On a GPU (`pytest -m gpu`) at the training's sizes. On the CPU through the Trito
 installed: TRITON_INTERPRET=1 must be set before triton decorates the kernels (when model.head imports them), so
 those tests run in a child pytest (`test_kernels_in_the_triton_interpreter`); `TRITON_INTERPRET=1 pytest
 tests/test_head_kernels.py` runs them directly."""
-import importlib.util
-import os
 import re
 
 import pytest
@@ -14,10 +12,9 @@ import torch.nn.functional as F
 
 from model import head
 from model.head import GRAD_FP8_SCALE, IGNORE_INDEX
-from helpers import run_interpreted
+from helpers import interpreted, interpreter_parent
 
 SOFTCAP = 15.0
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # The kernels' tanh (PTX tanh.approx.f32, relative error <= 1.1e-5 measured: model/head_kernels.py) moves each capped
 # logit by up to 15 * 1.1e-5 = 1.7e-4, so each probability by up to 2 * 1.7e-4 relative (its logit and the lse), and
 # tanh' = 1 - tanh^2 by up to 1.3e-5 absolute (measured), plus fp32 rounding
@@ -27,7 +24,6 @@ GRAD_RTOL_FP32, GRAD_ATOL_OF_MAX = 4e-4, 3e-5
 E5M2_RTOL, E5M2_ATOL_OF_SCALE = 2.0 ** -3, 2.0 ** -17
 
 gpu = pytest.mark.gpu
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_in_the_triton_interpreter's child")
 
 
 def problem(n, v, dtype, device, seed=0):
@@ -161,11 +157,7 @@ def test_compiled_ops_launch_only_the_kernels():
 
 
 # --- CPU, Triton interpreter ------------------------------------------------------------------------------------
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch)")
-@pytest.mark.skipif(INTERPRETED, reason="the child itself")
-def test_kernels_in_the_triton_interpreter():
-    """The interpreted tests below, in a child process with TRITON_INTERPRET=1."""
-    run_interpreted(__file__, passed=3)
+test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 3)
 
 
 # Sizes off every tile: 2,500 columns = 2,048 + 452 (forward) = 9 x 256 + 196 (backward); the transpose's tiles:

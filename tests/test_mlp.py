@@ -3,8 +3,6 @@ kernels of model/mlp_kernels.py against the torch ops of model/layers.py (same n
 
 The kernels run on a GPU (`pytest -m gpu`) at the training's sizes, and on the CPU through the Triton interpreter
 where triton is installed, in a child pytest (`test_kernels_in_the_triton_interpreter`; see tests/helpers.py)."""
-import importlib.util
-import os
 import re
 
 import numpy as np
@@ -12,12 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import run_interpreted
+from helpers import interpreted, interpreter_parent
 from model import layers
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 gpu = pytest.mark.gpu
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_in_the_triton_interpreter's child")
 numpy_breaks_the_interpreter = pytest.mark.skipif(
     tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4),
     reason="triton 3.6's interpreter fails on a runtime loop bound with numpy >= 2.4 (triton-lang/triton#9171), "
@@ -137,12 +133,7 @@ def test_compiled_function_launches_the_kernels_without_copies():
 
 
 # --- CPU, Triton interpreter --------------------------------------------------------------------------------------
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch)")
-@pytest.mark.skipif(INTERPRETED, reason="the child itself")
-@numpy_breaks_the_interpreter
-def test_kernels_in_the_triton_interpreter():
-    """The interpreted test below, in a child process with TRITON_INTERPRET=1."""
-    run_interpreted(__file__, passed=1)
+test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 1, numpy_breaks_the_interpreter)
 
 
 @interpreted

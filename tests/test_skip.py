@@ -3,18 +3,14 @@ kernels of model/skip_kernels.py against fp64 torch ops.
 
 The kernels run on a GPU (`pytest -m gpu`) at the training's size, and on the CPU through the Triton interpreter
 where triton is installed, in a child pytest (`test_kernels_in_the_triton_interpreter`; see tests/helpers.py)."""
-import importlib.util
-import os
 
 import pytest
 import torch
 
-from helpers import run_interpreted
+from helpers import interpreted, interpreter_parent
 from model import layers
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 gpu = pytest.mark.gpu
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_in_the_triton_interpreter's child")
 
 
 def operands(shape, dtype, device, seed=0):
@@ -90,11 +86,7 @@ def test_function_on_gpu_matches_autograd_and_repeats():
 
 
 # --- CPU, Triton interpreter --------------------------------------------------------------------------------------
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch)")
-@pytest.mark.skipif(INTERPRETED, reason="the child itself")
-def test_kernels_in_the_triton_interpreter():
-    """The interpreted test below, in a child process with TRITON_INTERPRET=1."""
-    run_interpreted(__file__, passed=1)
+test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 1)
 
 
 @interpreted
