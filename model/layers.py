@@ -1,4 +1,6 @@
-"""Transformer pieces: parameter-free RMSNorm, half-truncated rotary embeddings, attention, ReLU² MLP, the block.
+"""Transformer pieces: parameter-free RMSNorm, half-truncated rotary embeddings, attention, ReLU² MLP, the U-net
+skip, the block. On CUDA three of them run Triton kernels through autograd.Functions (QKVPrep, ReLU2MLP, SkipAdd);
+elsewhere the torch ops beside each.
 
 Weights are fp32 master copies, cast to the activation dtype where they are used (`.type_as(x)`), so the
 optimizer always updates fp32 while the matmuls run in bf16. Construction only declares shapes (`torch.empty`);
