@@ -86,6 +86,8 @@ class QKVPrep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_q: Tensor, grad_k: Tensor, grad_v: Tensor):
         qkv_BT3Hd, cos_TP, sin_TP, lambdas, v_first_BTHd, ve_BTA = ctx.saved_tensors
+        # the kernel takes the gradients' rows at any stride (FlexAttention's arrive transposed), not their elements
+        grad_q, grad_k, grad_v = (g if g.stride(-1) == 1 else g.contiguous() for g in (grad_q, grad_k, grad_v))
         grad_qkv, grad_lambdas, grad_v_first, grad_ve = qkv_kernels.qkv_prep_grad(
             grad_q, grad_k, grad_v, qkv_BT3Hd, cos_TP, sin_TP, lambdas, v_first_BTHd, ve_BTA)
         return (grad_qkv, None, None, grad_lambdas, None if v_first_BTHd is None else grad_v_first,
@@ -122,7 +124,7 @@ class Attention(nn.Module):
         B, T, _ = x_BTD.shape
         H, d = self.num_heads, self.head_dim
         qkv_BT3Hd = F.linear(x_BTD, self.qkv_w.flatten(0, 1).type_as(x_BTD)).view(B, T, 3 * H, d)
-        on_kernels = x_BTD.is_cuda and qkv_kernels is not None
+        on_kernels = x_BTD.is_cuda and qkv_kernels is not None and qkv_kernels.supports(d)
         q_BTHd, k_BTHd, v_BTHd = (QKVPrep.apply if on_kernels else qkv_prep)(
             qkv_BT3Hd, cos_TP, sin_TP, self.value_lambdas, v_first_BTHd, ve_BTA)
         y_BHTd = attend(q_BTHd.transpose(1, 2), k_BTHd.transpose(1, 2), v_BTHd.transpose(1, 2), mask, self.scale)

@@ -145,10 +145,17 @@ def _qkv_backward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve
         tl.store(partial + 2, 0.0)
 
 
+def supports(head_dim: int) -> bool:
+    """Whether the kernels take this head width: each half is one tl.arange, whose length must be a power of 2."""
+    half = head_dim // 2
+    return head_dim % 2 == 0 and half >= 1 and half & (half - 1) == 0
+
+
 def _check(qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor, *values: Tensor | None) -> None:
     B, T, H3, d = qkv.shape
-    torch._check(qkv.is_contiguous() and H3 % 3 == 0 and d % 2 == 0,
-                 lambda: "qkv must be the projection's contiguous (B, T, 3H, d) output")
+    torch._check(qkv.is_contiguous() and H3 % 3 == 0 and supports(d),
+                 lambda: "qkv must be the projection's contiguous (B, T, 3H, d) output, d a power of 2 "
+                         "(model.qkv_kernels.supports)")
     torch._check(cos.shape == sin.shape == (T, d // 2) and cos.is_contiguous() and sin.is_contiguous()
                  and cos.dtype == sin.dtype == torch.float32, lambda: "cos and sin must be contiguous fp32 (T, d/2)")
     torch._check(lambdas.shape == (3,) and lambdas.is_contiguous(), lambda: "three value weights")

@@ -18,7 +18,8 @@ PATTERNS = [(False, False), (False, True), (True, True)]
 
 def problem(B, T, H, d, dtype, device, v_first, ve, seed=0):
     """The Function's inputs, with the model's rotary tables, weights off their init values, and the output
-    gradients; those of q and k are transposed views, as FlexAttention's (B, H, T, d) gradients arrive."""
+    gradients: those of q and k transposed views, as FlexAttention's (B, H, T, d) gradients arrive, and v's every
+    other element of a wider tensor (a stride the kernel does not take: the Function copies it)."""
     gen = torch.Generator(device).manual_seed(seed)
 
     def randn(*shape):
@@ -27,7 +28,7 @@ def problem(B, T, H, d, dtype, device, v_first, ve, seed=0):
     cos, sin = layers.rotary_tables(T, d, 1024.0, torch.device(device))
     inputs = [randn(B, T, 3 * H, d), cos, sin, torch.tensor([0.7, -0.4, 1.3], device=device),
               randn(B, T, H, d) if v_first else None, randn(B, T, H * d) if ve else None]
-    grads = [randn(B, H, T, d).transpose(1, 2), randn(B, H, T, d).transpose(1, 2), randn(B, T, H, d)]
+    grads = [randn(B, H, T, d).transpose(1, 2), randn(B, H, T, d).transpose(1, 2), randn(B, T, H, 2 * d)[..., ::2]]
     return inputs, grads
 
 
@@ -91,3 +92,11 @@ test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 1)
 def test_interpreted_kernels():
     """In fp32, 60 rows: 3 programs of 16 and a partial one."""
     check(2, 10, 3, 16, torch.float32, "cpu", rtol=1e-5, atol=1e-6)
+
+
+def test_kernels_take_power_of_two_halves_only():
+    """Attention falls back to the torch ops for other head widths (GPTConfig allows any multiple of 4)."""
+    pytest.importorskip("triton", reason="triton is not installed (CPU-only torch)")
+    from model import qkv_kernels
+
+    assert [d for d in range(4, 260, 4) if qkv_kernels.supports(d)] == [4, 8, 16, 32, 64, 128, 256]
