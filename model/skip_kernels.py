@@ -46,9 +46,9 @@ def _skip_add_grad_kernel(g_ptr, s_ptr, w_ptr, grad_s_ptr, partial_ptr, n, BLOCK
 
 
 def _check(x: Tensor, s: Tensor, w: Tensor) -> None:
-    if not (x.shape == s.shape and x.dtype == s.dtype and x.is_contiguous() and s.is_contiguous() and w.dim() == 0
-            and x.device == s.device == w.device):
-        raise ValueError(f"skip_add takes two contiguous tensors of one shape and dtype and a 0-D weight on their "
+    torch._check(x.shape == s.shape and x.dtype == s.dtype and x.is_contiguous() and s.is_contiguous()
+                 and w.dim() == 0 and x.device == s.device == w.device,
+                 lambda: f"skip_add takes two contiguous tensors of one shape and dtype and a 0-D weight on their "
                          f"device; got {tuple(x.shape)} {x.dtype}, {tuple(s.shape)} {s.dtype}, a weight of shape "
                          f"{tuple(w.shape)}")
 

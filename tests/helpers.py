@@ -32,6 +32,16 @@ def recorded_compile(model: GPT):
             torch._dynamo.reset()
 
 
+def output_and_grads(fn, *args) -> list:
+    """[fn(*inputs), then each input's gradient] for args = (*inputs, upstream gradient of fn's one output), the inputs
+    taken as fresh leaves: how the kernel test files compare an autograd.Function with autograd through torch ops."""
+    *inputs, upstream = args
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(upstream)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
 # A kernel test file's tests that run only under the Triton interpreter, in interpreter_parent's child
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="runs in test_kernels_in_the_triton_interpreter's child")

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import interpreted, interpreter_parent
+from helpers import interpreted, interpreter_parent, output_and_grads as grads
 from model import layers
 
 gpu = pytest.mark.gpu
@@ -35,13 +35,6 @@ def operands(m, k, n, dtype, device, seed=0):
 def plain_mlp(x, w1, w2):
     """The MLP by autograd's own rules: relu(x @ W1)^2 @ W2^T."""
     return F.relu(x @ w1).square() @ w2.t()
-
-
-def grads(fn, x, w1, w2, grad_y):
-    leaves = [t.detach().requires_grad_() for t in (x, w1, w2)]
-    y = fn(*leaves)
-    y.backward(grad_y)
-    return [y.detach()] + [t.grad for t in leaves]
 
 
 # --- CPU, torch ops -----------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ where triton is installed, in a child pytest (`test_kernels_in_the_triton_interp
 import pytest
 import torch
 
-from helpers import interpreted, interpreter_parent
+from helpers import interpreted, interpreter_parent, output_and_grads as grads
 from model import layers
 
 gpu = pytest.mark.gpu
@@ -19,14 +19,6 @@ def operands(shape, dtype, device, seed=0):
     gen = torch.Generator(device).manual_seed(seed)
     x, s, g = (torch.randn(shape, generator=gen, device=device).to(dtype) for _ in range(3))
     return x, s, torch.tensor(0.8, device=device), g
-
-
-def grads(fn, x, s, w, g):
-    """(out, grad x, grad s, grad w) of fn(x, s, w) under upstream gradient g."""
-    leaves = [t.detach().requires_grad_() for t in (x, s, w)]
-    out = fn(*leaves)
-    out.backward(g)
-    return [out.detach()] + [t.grad for t in leaves]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
