@@ -38,9 +38,10 @@ class TrainConfig:
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards; "sample" = data/sample
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"  # glob of validation shards; "sample" = data/sample
     val_tokens: int = 10_485_760  # tokens per validation, fixed by the speedrun so runs are comparable
-    # -1 = the model's receptive field at window_max_tokens (record: 3 x 1,791 + 8 x 895 = 12,533), at most half a
-    # sequence; 0 = consecutive cut sequences (the runs in bench/results before this option: the tokens after a cut
-    # lose their document's beginning)
+    # -1 = the model's receptive field at window_max_tokens in whole blocks (record: 3 x 1,664 + 8 x 768 + 127 =
+    # 11,263 -> 11,264), at most half a sequence; 0 = consecutive cut sequences (the runs in bench/results before this
+    # option: the tokens after a cut lose their document's beginning). Attention windows count whole blocks of each
+    # sequence, so only a multiple of 128 keeps the sequences' blocks on the unbroken stream's
     val_context: int = -1  # unscored tokens each validation sequence repeats, so every token sees its whole context
     seq_len: int = 48 * 1024  # tokens per packed sequence, a multiple of 128 (record #28)
     batch_size: int = 8  # sequences per optimizer step over all GPUs: 8 x 48K = 393,216 tokens (record #28)
@@ -167,7 +168,10 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
     mcfg = model_config(cfg)  # the layer lists and the model's own checks, before any work
     val_context = cfg.val_context
     if val_context == -1:
-        val_context = min(receptive_field(mcfg, cfg.window_max_tokens), cfg.seq_len // 2)
+        # whole blocks: then every sequence starts on a block of the stream, and each scored token attends exactly
+        # as in the unbroken stream (half a sequence is whole blocks too, for any seq_len a multiple of 256)
+        receptive_blocks = -(-receptive_field(mcfg, cfg.window_max_tokens) // BLOCK_SIZE)
+        val_context = min(receptive_blocks * BLOCK_SIZE, cfg.seq_len // 2)
     return Derived(model=mcfg, grad_accum=cfg.batch_size // per_micro_step,
                    tokens_per_step=cfg.batch_size * cfg.seq_len, val_context=val_context)
 

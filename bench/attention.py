@@ -1,6 +1,7 @@
-"""Attention alone at the training shape (GPU only): FlexAttention with our block mask (model/attention.py) against
-`torch.nn.attention.varlen.varlen_attn` (FlashAttention-2 over the documents as variable-length sequences, with
-its sliding window), forward and forward + backward, at the long and short windows of the throughput config.
+"""Attention alone at the training shape (GPU only): FlexAttention against `torch.nn.attention.varlen.varlen_attn`
+(FlashAttention-2 over the documents as variable-length sequences, with its sliding window), forward and forward +
+backward, at the long and short windows of the throughput config. Flash's window is the exact token distance, so
+flex runs that rule here (bench/flex_rule.py's mask; the model's windows count whole blocks, model/attention.py).
 
     python -m bench.attention --out bench/results/attention_1xH200.json [--shard /tmp/proxy/fineweb_train_000001.bin]
 
@@ -17,7 +18,7 @@ import torch
 
 from bench.timing import median_ms
 from data.shard import BOS_ID, read_shard
-from model.attention import block_mask, document_ids
+from model.attention import document_ids
 
 T, H, D_HEAD, SCALE, BLOCK = 48 * 1024, 6, 128, 0.12, 128
 WINDOWS = (896, 448)  # bench/run.py's throughput window and its short-window layers' half
@@ -43,6 +44,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--shard", help="a token shard whose first micro-batch supplies the documents")
     args = ap.parse_args()
+
+    from bench.flex_rule import token_window_mask  # imports this module's constants: imported late
 
     ids_T = tokens(args.shard).cuda()
     doc_1T = document_ids(ids_T[None], BOS_ID)
@@ -73,7 +76,7 @@ def main():
               "head_dim": D_HEAD, "documents": len(cu_seqlens) - 1, "longest_document": max_len,
               "source": args.shard or f"geometric lengths, mean {MEAN_DOC}"}
     for window in WINDOWS:
-        mask = block_mask(doc_1T, torch.tensor(window, device="cuda"), BLOCK)
+        mask = token_window_mask(doc_1T, torch.tensor(window, device="cuda"), BLOCK)
         backends = {"flex": lambda: run_flex(mask), "varlen": lambda: run_varlen(window)}
         row = {}
         with torch.no_grad():

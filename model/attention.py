@@ -2,7 +2,14 @@
 
 Each batch row is one packed sequence of documents, each starting with a BOS token. Query q may attend key k iff
 
-    k <= q   and   doc[k] == doc[q]   and   q - k < window,      doc = cumsum(tokens == BOS) along the row.
+    k <= q   and   doc[k] == doc[q]   and   q // S - k // S < ceil(window / S),   doc = cumsum(tokens == BOS),
+
+S the block size (128): the window is counted in whole blocks of the row, the query's own block and the ones
+before it, as in record #28 (modded-nanogpt). A query at the end of its block sees window - 1 tokens back, one at
+its start window - S. Cut at the exact token distance instead, every pair of blocks at the window's edge is
+partial (mask_mod evaluated per token), and a partial pair costs FlexAttention's backward about three times a
+full one: on the H200 forward + backward took 1.908 against 2.107 ms a call at window 896 and 1.519 against 1.699
+at 384 (bench/results/flex_rule_1xH200.json).
 
 Two implementations of that one rule:
 - `block_mask` + FlexAttention (GPU): a BlockMask built from per-block document statistics, never from a T x T
@@ -31,12 +38,20 @@ def short_window(window: Tensor, block_size: int) -> Tensor:
     return torch.clamp_min(window // 2 // block_size, 1) * block_size
 
 
-def dense_mask(doc_BT: Tensor, window: Tensor) -> Tensor:
-    """The explicit (B, 1, T, T) boolean mask (True = may attend) for SDPA and for reference checks."""
+def window_blocks(window: Tensor, block_size: int) -> Tensor:
+    """How many blocks a window spans: ceil(window / block_size), the query's own block included."""
+    return (window + block_size - 1) // block_size
+
+
+def dense_mask(doc_BT: Tensor, window: Tensor, block_size: int) -> Tensor:
+    """The explicit (B, 1, T, T) boolean mask (True = may attend) for SDPA and for reference checks; T need not be a
+    multiple of block_size (the last block is short)."""
     pos_T = torch.arange(doc_BT.size(1), device=doc_BT.device)
-    dist_TT = pos_T[:, None] - pos_T[None, :]  # q - k
+    block_T = pos_T // block_size
+    gap_TT = block_T[:, None] - block_T[None, :]  # query block - key block
     same_doc_BTT = doc_BT[:, :, None] == doc_BT[:, None, :]
-    return (same_doc_BTT & (dist_TT >= 0) & (dist_TT < window))[:, None]
+    causal_TT = pos_T[:, None] >= pos_T[None, :]
+    return (same_doc_BTT & causal_TT & (gap_TT < window_blocks(window, block_size)))[:, None]
 
 
 def _ordered(dense_BQK: Tensor) -> tuple[Tensor, Tensor]:
@@ -50,12 +65,12 @@ def _ordered(dense_BQK: Tensor) -> tuple[Tensor, Tensor]:
 def block_mask(doc_BT: Tensor, window: Tensor, block_size: int) -> BlockMask:
     """FlexAttention BlockMask for the mask rule above, from per-block document ranges.
 
-    A (query block, key block) pair is
-    - full (computed without the mask_mod) when the key block lies strictly before the query block, all tokens of
-      both blocks belong to one document and even the farthest pair is inside the window;
-    - partial (mask_mod decides per token) when some pair may be allowed: key block not after the query block,
-      document ranges touching, nearest pair inside the window;
-    - skipped otherwise.
+    A (query block, key block) pair inside the window (0 <= gap < window_blocks) is
+    - full (computed without the mask_mod) when the key block lies strictly before the query block and all tokens
+      of both blocks belong to one document;
+    - partial (mask_mod decides per token) when the document ranges touch: the diagonal, and blocks where a
+      document starts;
+    - skipped otherwise, as is every pair outside the window.
     Needs T to be a multiple of block_size (the caller checks).
     """
     B, T = doc_BT.shape
@@ -64,19 +79,21 @@ def block_mask(doc_BT: Tensor, window: Tensor, block_size: int) -> BlockMask:
     first_BN, last_BN = doc_BNS[..., 0], doc_BNS[..., -1]  # document ids never decrease along a row (cumsum)
     block_N = torch.arange(T // block_size, device=doc_BT.device)
     gap_QK = block_N[:, None] - block_N[None, :]  # query block - key block
-    nearest_QK = torch.clamp_min((gap_QK - 1) * block_size + 1, 0)  # smallest q - k over the block pair
-    farthest_QK = gap_QK * block_size + block_size - 1  # largest q - k over the block pair
+    blocks = window_blocks(window, block_size)
+    inside_QK = (gap_QK >= 0) & (gap_QK < blocks)
 
     touching_BQK = last_BN[:, None, :] >= first_BN[:, :, None]  # with k block <= q block: ranges overlap
     single_doc_BN = first_BN == last_BN
     one_doc_BQK = single_doc_BN[:, :, None] & single_doc_BN[:, None, :] & (first_BN[:, :, None] == first_BN[:, None, :])
 
-    any_BQK = (gap_QK >= 0) & touching_BQK & (nearest_QK < window)
-    full_BQK = (gap_QK > 0) & one_doc_BQK & (farthest_QK < window)
-    partial_BQK = any_BQK & ~full_BQK
+    full_BQK = inside_QK & (gap_QK > 0) & one_doc_BQK
+    partial_BQK = inside_QK & touching_BQK & ~full_BQK
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (doc_BT[b, q_idx] == doc_BT[b, kv_idx]) & (q_idx - kv_idx < window)
+        # the window's test is true on every listed block; it is here for the unfused path (eager, CPU), which
+        # applies mask_mod everywhere and the block lists nowhere
+        return ((kv_idx <= q_idx) & (doc_BT[b, q_idx] == doc_BT[b, kv_idx])
+                & (q_idx // block_size - kv_idx // block_size < blocks))
 
     kv_num_blocks, kv_indices = _ordered(partial_BQK)
     full_kv_num_blocks, full_kv_indices = _ordered(full_BQK)

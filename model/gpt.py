@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from model.attention import block_mask, dense_mask, document_ids, short_window
+from model.attention import block_mask, dense_mask, document_ids, short_window, window_blocks
 from model.head import Head
 from model.layers import Block, SkipAdd, norm, rotary_tables
 
@@ -193,7 +193,7 @@ class GPT(nn.Module):
                                  f"{FLEX_MIN_HEAD_DIM}; use a larger head_dim")
             masks = {short: block_mask(doc_BT, w, cfg.block_size) for short, w in windows.items()}
         else:
-            masks = {short: dense_mask(doc_BT, w) for short, w in windows.items()}
+            masks = {short: dense_mask(doc_BT, w, cfg.block_size) for short, w in windows.items()}
         cos_TP, sin_TP = rotary_tables(T, cfg.head_dim, cfg.rope_base, inputs_BT.device)
 
         x0_BTD, *ves_BTA = self.embed_inputs(inputs_BT)
@@ -233,22 +233,28 @@ class GPT(nn.Module):
 
 
 def attention_windows(config: GPTConfig, window: int) -> dict[int, int]:
-    """{layer: its window in tokens} for the layers with attention, when the long window is `window`."""
+    """{layer: its window in tokens, whole blocks} for the layers with attention, when the long window is `window`."""
+    long = int(window_blocks(torch.tensor(window), config.block_size)) * config.block_size
     short = int(short_window(torch.tensor(window), config.block_size))
-    return {i: short if config.is_short_window(i) else window
+    return {i: short if config.is_short_window(i) else long
             for i in range(config.num_layers) if i not in config.no_attention_layers}
 
 
 def receptive_field(config: GPTConfig, window: int) -> int:
-    """How many tokens before a position can change the model's output there (document starts aside): each
-    attention layer reaches its window - 1 further back than the layer below it."""
-    return sum(w - 1 for w in attention_windows(config, window).values())
+    """How many tokens before a position can change the model's output there (document starts aside). A window of
+    W tokens (whole blocks of S) reaches from the last token of a block to the first of the block W / S - 1 blocks
+    back; so the farthest path starts at the end of a block, each layer but one moves it W - S back, block end to
+    block end, and one layer W - 1, to a block's first token: sum(W - S) + S - 1."""
+    S = config.block_size
+    windows = attention_windows(config, window).values()
+    return sum(w - S for w in windows) + S - 1 if windows else 0
 
 
-def mean_context(seq_len: int, window: int) -> float:
-    """Mean number of keys a query attends under the causal sliding window (documents ignored)."""
-    w = min(window, seq_len)
-    return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+def mean_context(seq_len: int, window: int, block_size: int) -> float:
+    """Mean number of keys a query attends under the causal window of whole blocks (documents ignored)."""
+    pos_T = torch.arange(seq_len)
+    first_key_T = torch.clamp_min(pos_T // block_size - (window // block_size - 1), 0) * block_size
+    return float((pos_T - first_key_T + 1).double().mean())
 
 
 def flops_per_token(config: GPTConfig, seq_len: int, window: int) -> float:
@@ -266,4 +272,4 @@ def flops_per_token(config: GPTConfig, seq_len: int, window: int) -> float:
     mlp_layers = config.num_layers - len(config.no_mlp_layers)
     n_matmul = (len(windows) * (3 * A * D + D * A) + mlp_layers * 2 * config.mlp_ratio * D * D
                 + config.vocab_size * D)
-    return 6 * n_matmul + sum(12 * A * mean_context(seq_len, w) for w in windows.values())
+    return 6 * n_matmul + sum(12 * A * mean_context(seq_len, w, config.block_size) for w in windows.values())

@@ -46,15 +46,17 @@ def materialise(mask) -> torch.Tensor:
     return out
 
 
-def reference_mask(tokens: torch.Tensor, window: int) -> torch.Tensor:
-    """The mask rule written out with loops over documents: no shared code with model/attention.py."""
+def reference_mask(tokens: torch.Tensor, window: int, block: int = BLOCK) -> torch.Tensor:
+    """The mask rule written out with loops over documents: no shared code with model/attention.py. A query sees
+    its document's tokens up to itself, from the first token of the block ceil(window / block) - 1 blocks back."""
     B, T_ = tokens.shape
+    blocks = -(-window // block)
     out = torch.zeros(B, 1, T_, T_, dtype=torch.bool)
     for b in range(B):
         starts = [0] + [t for t in range(T_) if tokens[b, t] == BOS and t > 0] + [T_]
         for lo, hi in zip(starts[:-1], starts[1:]):
             for q in range(lo, hi):
-                out[b, 0, q, max(lo, q - window + 1):q + 1] = True
+                out[b, 0, q, max(lo, (q // block - blocks + 1) * block):q + 1] = True
     return out
 
 
@@ -64,16 +66,14 @@ def reference_attention(q, k, v, mask, scale):
     return torch.softmax(scores, dim=-1) @ v
 
 
-# one block; edge cases of the block classification: at 2 blocks + 2 some block pair's nearest tokens are the
-# farthest allowed pair, at 3 blocks - 1 some block pair's farthest tokens are the nearest forbidden pair;
-# aligned; wider than the row
+# one block; not whole blocks (rounded up to 3 blocks, from either side); aligned; wider than the row
 WINDOWS = [BLOCK, 2 * BLOCK + 2, 3 * BLOCK - 1, 4 * BLOCK, 10 * T]
 
 
 @pytest.mark.parametrize("window", WINDOWS)
 def test_dense_mask_matches_written_out_rule(window):
     tokens = layouts()
-    got = dense_mask(document_ids(tokens, BOS), torch.tensor(window))
+    got = dense_mask(document_ids(tokens, BOS), torch.tensor(window), BLOCK)
     assert torch.equal(got, reference_mask(tokens, window))
 
 
@@ -83,7 +83,7 @@ def test_block_mask_equals_dense_mask(window):
     doc = document_ids(tokens, BOS)
     w = torch.tensor(window)
     mask = block_mask(doc, w, BLOCK)
-    dense = dense_mask(doc, w)
+    dense = dense_mask(doc, w, BLOCK)
     assert mask.kv_indices.shape == (4, 1, T // BLOCK, T // BLOCK)  # fixed shape whatever the window
     assert torch.equal(materialise(mask), dense)
     # Full blocks must be exactly the off-diagonal tiles that are entirely allowed: none missed (speed), none
@@ -97,6 +97,26 @@ def test_block_mask_equals_dense_mask(window):
     assert torch.equal(full, tiles)
     if window >= 2 * BLOCK:
         assert full[2].any()  # the one-document row has mask-free blocks once the window spans two blocks
+    # the window's edge never cuts a block: in the one-document row only the diagonal goes through mask_mod
+    assert torch.equal(mask.kv_num_blocks[2], torch.ones_like(mask.kv_num_blocks[2]))
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_bench_token_window_mask_is_the_exact_distance_rule(window):
+    """bench/flex_rule.py times the model's rule against the one before, q - k < window: the written-out rule with
+    blocks of one token."""
+    from bench.flex_rule import token_window_mask
+
+    tokens = layouts()
+    mask = token_window_mask(document_ids(tokens, BOS), torch.tensor(window), BLOCK)
+    assert torch.equal(materialise(mask), reference_mask(tokens, window, block=1))
+
+
+def test_dense_mask_with_a_short_last_block():
+    tokens = layouts(T - 6)  # SDPA's path takes any length: the last block has BLOCK - 6 tokens
+    for window in (BLOCK, 2 * BLOCK + 2):
+        got = dense_mask(document_ids(tokens, BOS), torch.tensor(window), BLOCK)
+        assert torch.equal(got, reference_mask(tokens, window))
 
 
 def test_short_window():
@@ -115,7 +135,7 @@ def test_flex_equals_sdpa_equals_reference(window):
     doc, w = document_ids(tokens, BOS), torch.tensor(window)
     q, k, v = qkv(torch.float32)
     expected = reference_attention(q.double(), k.double(), v.double(), reference_mask(tokens, window), 0.12)
-    sdpa = attend(q, k, v, dense_mask(doc, w), 0.12)
+    sdpa = attend(q, k, v, dense_mask(doc, w, BLOCK), 0.12)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager flex_attention warns that it is unfused
         flex = attend(q, k, v, block_mask(doc, w, BLOCK), 0.12)
@@ -127,7 +147,7 @@ def test_flex_equals_sdpa_equals_reference(window):
 @pytest.mark.parametrize("window", [3 * BLOCK - 1, 10 * T])
 def test_sdpa_gradients_equal_reference(window):
     tokens = layouts()
-    mask = dense_mask(document_ids(tokens, BOS), torch.tensor(window))
+    mask = dense_mask(document_ids(tokens, BOS), torch.tensor(window), BLOCK)
     q, k, v = qkv(torch.float64, requires_grad=True)
     grad_out = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     got = torch.autograd.grad(attend(q, k, v, mask, 0.12), (q, k, v), grad_out)
@@ -147,7 +167,7 @@ def test_compiled_flex_matches_sdpa_on_gpu():
     q, k, v = [t.cuda().bfloat16().requires_grad_() for t in qkv(torch.float32, seq_len)]
     q2, k2, v2 = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     flex = attend(q, k, v, block_mask(doc, w, block), 0.12)
-    sdpa = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=dense_mask(doc, w), scale=0.12)
+    sdpa = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=dense_mask(doc, w, block), scale=0.12)
     assert (flex.float() - sdpa.float()).abs().max() < 2e-2  # bf16 outputs: a few bf16 ulps
     grad_out = torch.randn_like(flex)
     for a, b in zip(torch.autograd.grad(flex, (q, k, v), grad_out), torch.autograd.grad(sdpa, (q2, k2, v2), grad_out)):

@@ -17,9 +17,10 @@ def test_defaults_are_the_record_run():
 
 
 def test_val_context_resolves_to_the_receptive_field():
-    """-1: long layers 0, 4, 11 reach 1,791 tokens back each, the 8 short ones 895 (layer 7 has no attention);
-    capped at half a sequence; an explicit value is kept."""
-    assert derive(TrainConfig(), world_size=1).val_context == 3 * 1791 + 8 * 895 == 12_533
+    """-1: long layers 0, 4, 11 move 1,792 - 128 tokens back each, the 8 short ones 896 - 128, one of them 127 more
+    (layer 7 has no attention; model.gpt.receptive_field), rounded up to whole blocks; capped at half a sequence;
+    an explicit value is kept."""
+    assert derive(TrainConfig(), world_size=1).val_context == 88 * 128 == 3 * 1664 + 8 * 768 + 127 + 1
     assert derive(TrainConfig(seq_len=16_384), world_size=1).val_context == 8_192
     assert derive(TrainConfig(val_context=0), world_size=1).val_context == 0
 

@@ -233,10 +233,12 @@ def test_val_context_scores_as_one_unbroken_stream(tmp_path):
     from model.gpt import GPT, GPTConfig, receptive_field
 
     _, pattern = write_shards(tmp_path, sizes=(150, 200), name="val")
-    seq_len, window, val_tokens = 64, 24, 255
+    seq_len, window, val_tokens = 96, 32, 255
     config = GPTConfig(num_layers=2, model_dim=32, num_heads=2, head_dim=16, num_value_embeds=1, block_size=16)
-    context = receptive_field(config, window)
-    assert context == 2 * (window - 1)  # both layers of a 2-layer model have the long window
+    # both layers of a 2-layer model have the long window, 2 blocks; the context rounded up to whole blocks (as
+    # train_gpt2.derive does) keeps every row's blocks on the stream's
+    assert receptive_field(config, window) == 2 * (window - 16) + 15
+    context = -(-receptive_field(config, window) // 16) * 16  # 47 -> 48
     torch.manual_seed(0)
     model = GPT(config)
     model.init_weights()
@@ -253,6 +255,7 @@ def test_val_context_scores_as_one_unbroken_stream(tmp_path):
 
     whole = summed_loss(256, 0)  # one row: the whole stream
     assert summed_loss(seq_len, context) == pytest.approx(whole, rel=1e-6)  # fp32 rounding: measured 4e-8 of it
-    assert summed_loss(seq_len, context + 10) == pytest.approx(whole, rel=1e-6)  # more than needed: the same
-    for short in (0, window - 1):  # one layer's window is not enough: the layers chain
-        assert abs(summed_loss(seq_len, short) - whole) > 5e-6 * whole  # measured 7e-4 and 1.1e-5 of it
+    assert summed_loss(seq_len, context + 16) == pytest.approx(whole, rel=1e-6)  # more than needed: the same
+    # one layer's window is not enough (the layers chain); nor is enough context off the stream's blocks
+    for short in (0, window - 1, context + 8):
+        assert abs(summed_loss(seq_len, short) - whole) > 5e-6 * whole, short  # measured 5.7e-4 to 7.5e-4 of it

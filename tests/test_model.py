@@ -102,8 +102,9 @@ def test_default_config_sizes():
     # + 5 scalars) + 6 skips (GPTConfig keeps every block; TrainConfig drops layer 7's attention)
     assert model.num_params() == 5 * 50304 * 768 + 12 * (12 * 768 ** 2 + 72 + 5) + 6 == 278_102_946
     # 6 * N_matmul (12 * 12 * 768^2 + 50304 * 768 = 123,568,128) = 741,408,768; attention at T = window = 1024:
-    # 4 long layers 12 * 768 * 512.5 + 8 short layers (window 512) 12 * 768 * 384.25 = 47,222,784
-    assert flops_per_token(GPTConfig(), 1024, 1024) == 788_631_552
+    # 4 long layers 12 * 768 * 512.5 + 8 short layers 12 * 768 * 352.5 = 44,881,920: a short layer's window of 4
+    # blocks sees p + 1 keys in the first 4 blocks (mean 256.5), 3 blocks and the own block's r + 1 after (448.5)
+    assert flops_per_token(GPTConfig(), 1024, 1024) == 786_290_688
     assert flops_per_token(GPTConfig(), 1024, 256) < flops_per_token(GPTConfig(), 1024, 1024)
     config = GPTConfig()
     assert [config.value_embed_index(i) for i in range(12)] == [0, 1, 2] + [None] * 6 + [0, 1, 2]
@@ -276,7 +277,8 @@ def test_zero_attention_gate_halves_each_head():
 def test_dropped_parts_leave_the_flops_count():
     A, D = TINY.num_heads * TINY.head_dim, TINY.model_dim
     mlp0 = 6 * 2 * TINY.mlp_ratio * D * D
-    attn2 = 6 * 4 * A * D + 12 * A * mean_context(T, int(short_window(torch.tensor(T), TINY.block_size)))
+    attn2 = 6 * 4 * A * D + 12 * A * mean_context(T, int(short_window(torch.tensor(T), TINY.block_size)),
+                                                  TINY.block_size)
     assert TINY.is_short_window(2)
     assert flops_per_token(PARTIAL, T, T) == pytest.approx(flops_per_token(TINY, T, T) - mlp0 - attn2)
 
@@ -294,22 +296,25 @@ def test_receptive_field_is_how_far_back_an_input_reaches():
     output there; one position further back it changes nothing, bit for bit (masked keys weigh exactly 0)."""
     window = 64
     rf = receptive_field(TINY, window)
-    assert rf == 2 * 63 + 2 * 31  # layers 0 and 3 long (64), 1 and 2 short (32)
+    # layers 0 and 3 long (64 = 2 blocks), 1 and 2 short (32 = 1 block): each moves 64 - 32 or 0 tokens back from a
+    # block's end to a block's end, and one reaches on to the first token of its block, 31 further
+    assert rf == 2 * 32 + 2 * 0 + 31
     model = tiny_model(random=True)
     inputs = torch.randint(1, TINY.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))
     inputs[0, 0] = BOS
-    q = 250
 
-    def output_at_q(changed=None):
+    def output_at(q, changed=None):
         x = inputs.clone()
         if changed is not None:
             x[0, changed] = 1 + x[0, changed] % (TINY.vocab_size - 1)  # another token, never BOS
         with torch.no_grad():
             return model.hidden_states(x, torch.tensor(window))[0, q]
 
-    base = output_at_q()
-    assert not torch.equal(output_at_q(q - rf), base)
-    assert torch.equal(output_at_q(q - rf - 1), base)
+    # the last token of a block reaches rf back; the first token of one reaches 31 less (windows are whole blocks)
+    for q, reach in ((255, rf), (224, rf - 31)):
+        base = output_at(q)
+        assert not torch.equal(output_at(q, q - reach), base)
+        assert torch.equal(output_at(q, q - reach - 1), base)
 
 
 @pytest.mark.parametrize("parts, graphs", [
