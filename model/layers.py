@@ -1,13 +1,13 @@
 """Transformer pieces: parameter-free RMSNorm, half-truncated rotary embeddings, attention, ReLU² MLP, the U-net
-skip, the block. On CUDA three of them run Triton kernels through autograd.Functions (QKVPrep, ReLU2MLP, SkipAdd);
-elsewhere the torch ops beside each.
+skip, the block. On CUDA four of them run Triton kernels through autograd.Functions (MixNorm, QKVPrep, ReLU2MLP,
+SkipAdd); elsewhere the torch ops beside each.
 
 Weights are fp32 master copies, cast to the activation dtype where they are used (`.type_as(x)`), so the
 optimizer always updates fp32 while the matmuls run in bf16. Construction only declares shapes (`torch.empty`);
 `init_weights()` assigns values.
 
 Shape legend: B batch rows, T tokens, D model dim, H heads, d head dim, A = H * d attention width,
-F = mlp_ratio * D MLP width, P = d // 2 rotary pairs.
+F = mlp_ratio * D MLP width, P = d // 2 rotary pairs, G = D / 64 gate channels (GATE_FRACTION).
 """
 
 import math
@@ -20,9 +20,9 @@ from torch.nn.attention.flex_attention import BlockMask
 from model.attention import attend
 
 try:  # the CUDA path's Triton kernels; CPU-only installs (CI) lack triton and run the torch ops below
-    from model import mlp_kernels, qkv_kernels, skip_kernels
+    from model import mlp_kernels, norm_kernels, qkv_kernels, skip_kernels
 except ImportError:
-    mlp_kernels = qkv_kernels = skip_kernels = None
+    mlp_kernels = norm_kernels = qkv_kernels = skip_kernels = None
 
 
 GATE_FRACTION = 64  # the attention gate reads the first D / 64 channels (record #28's dampen_factor)
@@ -48,6 +48,39 @@ def apply_rotary(x_BTHd: Tensor, cos_TP: Tensor, sin_TP: Tensor) -> Tensor:
     x1, x2 = x_BTHd.float().chunk(2, dim=-1)
     cos, sin = cos_TP[None, :, None, :], sin_TP[None, :, None, :]
     return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x_BTHd)
+
+
+def x0_mix(x_BTD: Tensor, x0_BTD: Tensor, lambdas: Tensor) -> Tensor:
+    """lambdas[0] x + lambdas[1] x0 in x's dtype: the x0 shortcut of modded-nanogpt at each block's start."""
+    mix = lambdas.type_as(x_BTD)
+    return mix[0] * x_BTD + mix[1] * x0_BTD
+
+
+def mix_norm(x_BTD: Tensor, x0_BTD: Tensor, lambdas: Tensor, gate_width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(x, n, n's first gate_width channels) for an attention block: x = x0_mix(x, x0, lambdas) the residual stream,
+    n = norm(x) the attention's input and its first G channels the gate's. By torch ops: Block's path off CUDA and
+    the reference of model/norm_kernels.py's kernels."""
+    x_BTD = x0_mix(x_BTD, x0_BTD, lambdas)
+    n_BTD = norm(x_BTD)
+    return x_BTD, n_BTD, n_BTD[..., :gate_width]
+
+
+class MixNorm(torch.autograd.Function):
+    """mix_norm on the Triton kernels of model/norm_kernels.py, one each way (CUDA, or the CPU under the Triton
+    interpreter), the gate's input a tensor of its own, whose gradient the backward adds to n's as it reads it;
+    saves only its inputs for backward."""
+
+    @staticmethod
+    def forward(ctx, x_BTD: Tensor, x0_BTD: Tensor, lambdas: Tensor, gate_width: int) -> tuple[Tensor, Tensor, Tensor]:
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, and the kernel skips its read
+        ctx.save_for_backward(x_BTD, x0_BTD, lambdas)
+        return norm_kernels.mix_norm(x_BTD, x0_BTD, lambdas, gate_width)
+
+    @staticmethod
+    def backward(ctx, grad_x: Tensor | None, grad_n: Tensor | None, grad_gate: Tensor | None):
+        x_BTD, x0_BTD, lambdas = ctx.saved_tensors
+        grad_x, grad_n, grad_gate = (g if g is None else g.contiguous() for g in (grad_x, grad_n, grad_gate))
+        return (*norm_kernels.mix_norm_grad(grad_x, grad_n, grad_gate, x_BTD, x0_BTD, lambdas), None)
 
 
 def _uniform_(w: Tensor, std: float) -> None:
@@ -118,9 +151,10 @@ class Attention(nn.Module):
         if self.gate_w is not None:
             nn.init.zeros_(self.gate_w)  # every gate starts at sigmoid(0) = 1/2, as in record #28
 
-    def forward(self, x_BTD: Tensor, v_first_BTHd: Tensor | None, ve_BTA: Tensor | None,
+    def forward(self, x_BTD: Tensor, gate_in_BTG: Tensor, v_first_BTHd: Tensor | None, ve_BTA: Tensor | None,
                 cos_TP: Tensor, sin_TP: Tensor, mask: BlockMask | Tensor) -> tuple[Tensor, Tensor]:
-        """Returns (output (B, T, D), this layer's mixed values (B, T, H, d) for the value residual)."""
+        """Returns (output (B, T, D), this layer's mixed values (B, T, H, d) for the value residual). gate_in holds
+        x's first G channels (mix_norm), read by the gate."""
         B, T, _ = x_BTD.shape
         H, d = self.num_heads, self.head_dim
         qkv_BT3Hd = F.linear(x_BTD, self.qkv_w.flatten(0, 1).type_as(x_BTD)).view(B, T, 3 * H, d)
@@ -130,7 +164,7 @@ class Attention(nn.Module):
         y_BHTd = attend(q_BTHd.transpose(1, 2), k_BTHd.transpose(1, 2), v_BTHd.transpose(1, 2), mask, self.scale)
         y_BTHd = y_BHTd.transpose(1, 2)
         if self.gate_w is not None:
-            gate_BTH = torch.sigmoid(F.linear(x_BTD[..., :self.gate_w.size(1)], self.gate_w.type_as(x_BTD)))
+            gate_BTH = torch.sigmoid(F.linear(gate_in_BTG, self.gate_w.type_as(gate_in_BTG)))
             y_BTHd = y_BTHd * gate_BTH[..., None]
         y_BTA = y_BTHd.reshape(B, T, H * d)
         return F.linear(y_BTA, self.proj_w.type_as(y_BTA)), v_BTHd
@@ -238,12 +272,16 @@ class Block(nn.Module):
     def forward(self, x_BTD: Tensor, x0_BTD: Tensor, v_first_BTHd: Tensor | None, ve_BTA: Tensor | None,
                 cos_TP: Tensor, sin_TP: Tensor, mask: BlockMask | Tensor) -> tuple[Tensor, Tensor | None]:
         """Returns (new residual stream (B, T, D), this layer's values (B, T, H, d), None without attention)."""
-        mix = self.lambdas.type_as(x_BTD)
-        x_BTD = mix[0] * x_BTD + mix[1] * x0_BTD
         v_BTHd = None
         if self.attn is not None:
-            y_BTD, v_BTHd = self.attn(norm(x_BTD), v_first_BTHd, ve_BTA, cos_TP, sin_TP, mask)
+            gate_width = 0 if self.attn.gate_w is None else self.attn.gate_w.size(1)
+            on_kernels = x_BTD.is_cuda and norm_kernels is not None
+            x_BTD, n_BTD, gate_in_BTG = (MixNorm.apply if on_kernels else mix_norm)(x_BTD, x0_BTD, self.lambdas,
+                                                                                    gate_width)
+            y_BTD, v_BTHd = self.attn(n_BTD, gate_in_BTG, v_first_BTHd, ve_BTA, cos_TP, sin_TP, mask)
             x_BTD = x_BTD + y_BTD
+        else:
+            x_BTD = x0_mix(x_BTD, x0_BTD, self.lambdas)
         if self.mlp is not None:
             x_BTD = x_BTD + self.mlp(norm(x_BTD))
         return x_BTD, v_BTHd
