@@ -8,8 +8,8 @@ S the block size (128): the window is counted in whole blocks of the row, the qu
 before it, as in record #28 (modded-nanogpt). A query at the end of its block sees window - 1 tokens back, one at
 its start window - S. Cut at the exact token distance instead, every pair of blocks at the window's edge is
 partial (mask_mod evaluated per token), and a partial pair costs FlexAttention's backward about three times a
-full one: on the H200 forward + backward took 1.908 against 2.107 ms a call at window 896 and 1.519 against 1.699
-at 384 (bench/results/flex_rule_1xH200.json).
+full one: on the H200 forward + backward took 1.950 against 2.222 ms a call at window 896 and 1.642 against 1.778
+at 384, and the training step 17.2 ms less (bench/results/flex_rule_1xH200.json, bench/results/README.md).
 
 Two implementations of that one rule:
 - `block_mask` + FlexAttention (GPU): a BlockMask built from per-block document statistics, never from a T x T

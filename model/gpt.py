@@ -253,7 +253,7 @@ def receptive_field(config: GPTConfig, window: int) -> int:
 def mean_context(seq_len: int, window: int, block_size: int) -> float:
     """Mean number of keys a query attends under the causal window of whole blocks (documents ignored)."""
     pos_T = torch.arange(seq_len)
-    first_key_T = torch.clamp_min(pos_T // block_size - (window // block_size - 1), 0) * block_size
+    first_key_T = torch.clamp_min(pos_T // block_size - (window_blocks(window, block_size) - 1), 0) * block_size
     return float((pos_T - first_key_T + 1).double().mean())
 
 
