@@ -36,6 +36,21 @@ def tokens(shard: str | None) -> torch.Tensor:
     return torch.from_numpy(ids)
 
 
+def flex_problem(windows: dict, shard: str | None) -> tuple[list[torch.Tensor], dict]:
+    """For the FlexAttention benches (bench/flex_options.py, bench/flex_rule.py): q, k, v (leaves) and an output
+    gradient, (1, H, T, d) views of (1, T, H, d) storage as the model's blocks pass them, bf16, seeded; and the
+    result's header."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, grad = (torch.randn(1, T, H, D_HEAD, device="cuda", generator=gen, dtype=torch.bfloat16)
+                     .transpose(1, 2) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "T": T, "heads": H,
+              "head_dim": D_HEAD, "windows": {n: int(w) for n, w in windows.items()},
+              "source": shard or "geometric lengths (bench/attention.py)"}
+    return [q, k, v, grad], header
+
+
 def main():
     from torch.nn.attention.flex_attention import flex_attention
     from torch.nn.attention.varlen import varlen_attn

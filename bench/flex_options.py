@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bench.attention import BLOCK, D_HEAD, H, SCALE, T, tokens
+from bench.attention import BLOCK, SCALE, flex_problem, tokens
 from bench.timing import cuda_times_ms
 from data.shard import BOS_ID
 from model.attention import block_mask, document_ids, short_window
@@ -88,16 +88,8 @@ def main():
     windows["short"] = short_window(windows["long"], BLOCK)
     masks = {name: block_mask(doc_1T, w, BLOCK) for name, w in windows.items()}
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    # (1, T, H, d) storage seen as (1, H, T, d), the strides the model's blocks pass
-    q, k, v, grad = (torch.randn(1, T, H, D_HEAD, device="cuda", generator=gen, dtype=torch.bfloat16)
-                     .transpose(1, 2) for _ in range(4))
-    for t in (q, k, v):
-        t.requires_grad_(True)
-
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "T": T, "heads": H,
-              "head_dim": D_HEAD, "windows": {n: int(w) for n, w in windows.items()},
-              "source": args.shard or "geometric lengths (bench/attention.py)", "candidates": {}}
+    (q, k, v, grad), result = flex_problem(windows, args.shard)
+    result["candidates"] = {}
     reference = {}
     for name in names:
         torch._dynamo.reset()  # a fresh compile per candidate (dynamo would stop recompiling after 8)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from bench.attention import BLOCK, D_HEAD, H, SCALE, T, tokens
+from bench.attention import BLOCK, SCALE, flex_problem, tokens
 from bench.timing import cuda_times_ms
 from data.shard import BOS_ID
 from model.attention import _ordered, block_mask, document_ids, short_window
@@ -62,16 +62,8 @@ def main():
     long = torch.tensor(LONG_WINDOW, device="cuda")
     windows = {"long": long, "short": short_window(long, BLOCK)}
     rules = {"blocks": block_mask, "tokens": token_window_mask}
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    # (1, T, H, d) storage seen as (1, H, T, d), the strides the model's blocks pass
-    q, k, v, grad = (torch.randn(1, T, H, D_HEAD, device="cuda", generator=gen, dtype=torch.bfloat16)
-                     .transpose(1, 2) for _ in range(4))
-    for t in (q, k, v):
-        t.requires_grad_(True)
-
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "T": T, "heads": H,
-              "head_dim": D_HEAD, "windows": {n: int(w) for n, w in windows.items()},
-              "source": args.shard or "geometric lengths (bench/attention.py)", "rules": {}}
+    (q, k, v, grad), result = flex_problem(windows, args.shard)
+    result["rules"] = {}
     for rule, make in rules.items():
         torch._dynamo.reset()  # each rule's mask_mod is a graph of its own
         flex = torch.compile(flex_attention, dynamic=False)
