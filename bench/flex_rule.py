@@ -21,7 +21,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from bench.attention import BLOCK, SCALE, flex_problem, tokens
 from bench.timing import cuda_times_ms
 from data.shard import BOS_ID
-from model.attention import _ordered, block_mask, document_ids, short_window
+from model.attention import _ordered, block_mask, block_pairs, document_ids, short_window
 
 LONG_WINDOW = 896  # bench/run.py's throughput window
 REPEATS = 30
@@ -30,16 +30,9 @@ REPEATS = 30
 def token_window_mask(doc_BT: Tensor, window: Tensor, block_size: int) -> BlockMask:
     """The BlockMask of the rule before: q may attend k iff k <= q, doc[k] == doc[q] and q - k < window. A block
     pair is full when its farthest pair is inside the window, partial when only its nearest is."""
-    B, T_ = doc_BT.shape
-    doc_BNS = doc_BT.view(B, T_ // block_size, block_size)
-    first_BN, last_BN = doc_BNS[..., 0], doc_BNS[..., -1]
-    block_N = torch.arange(T_ // block_size, device=doc_BT.device)
-    gap_QK = block_N[:, None] - block_N[None, :]
+    gap_QK, touching_BQK, one_doc_BQK = block_pairs(doc_BT, block_size)
     nearest_QK = torch.clamp_min((gap_QK - 1) * block_size + 1, 0)  # smallest q - k over the block pair
     farthest_QK = gap_QK * block_size + block_size - 1  # largest q - k over the block pair
-    touching_BQK = last_BN[:, None, :] >= first_BN[:, :, None]
-    single_doc_BN = first_BN == last_BN
-    one_doc_BQK = single_doc_BN[:, :, None] & single_doc_BN[:, None, :] & (first_BN[:, :, None] == first_BN[:, None, :])
     full_BQK = (gap_QK > 0) & one_doc_BQK & (farthest_QK < window)
     partial_BQK = (gap_QK >= 0) & touching_BQK & (nearest_QK < window) & ~full_BQK
 

@@ -21,6 +21,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from bench.timing import cuda_bf16_randn as randn
 from model import layers, norm_kernels
 
 B, T, D, G = 1, 49152, 768, 12
@@ -32,9 +33,6 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
 
     x_in, x0, g_x, g_n, g_gate = randn(B, T, D), randn(B, T, D), randn(B, T, D), randn(B, T, D), randn(B, T, G)
     lambdas = torch.tensor([0.7, 0.3], device="cuda")

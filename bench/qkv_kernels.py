@@ -18,6 +18,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from bench.timing import cuda_bf16_randn as randn
 from model import layers, qkv_kernels
 
 B, T, H, D = 1, 49152, 6, 128
@@ -28,9 +29,6 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
 
     qkv, ve = randn(B, T, 3 * H, D), randn(B, T, H * D)
     cos, sin = layers.rotary_tables(T, D, 1024.0, torch.device("cuda"))

@@ -1,4 +1,5 @@
-"""CUDA-event timing for the micro-benchmarks (bench/attention.py, bench/fwd_bwd.py, bench/head_kernels.py)."""
+"""CUDA-event timing for the micro-benchmarks (bench/attention.py, bench/fwd_bwd.py, bench/head_kernels.py), and
+the kernel benches' random bf16 inputs."""
 import statistics
 
 import torch
@@ -24,3 +25,8 @@ def cuda_times_ms(fn, warmup: int = WARMUP, repeats: int = REPEATS) -> list[floa
 
 def median_ms(fn) -> float:
     return round(statistics.median(cuda_times_ms(fn)), 3)
+
+
+def cuda_bf16_randn(*shape) -> torch.Tensor:
+    """Standard normal bf16 on the GPU from the default generator (the kernel benches seed it first)."""
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)

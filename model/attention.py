@@ -62,6 +62,22 @@ def _ordered(dense_BQK: Tensor) -> tuple[Tensor, Tensor]:
     return num_BQ[:, None].contiguous(), indices_BQK[:, None].contiguous()
 
 
+def block_pairs(doc_BT: Tensor, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per (query block, key block) pair, from the blocks' document ranges: the gap (query block - key block) (Q, K),
+    whether their documents may meet, and whether both blocks lie in one document (B, Q, K). Needs T to be a
+    multiple of block_size (the caller checks)."""
+    B, T = doc_BT.shape
+    assert T % block_size == 0, (T, block_size)
+    doc_BNS = doc_BT.view(B, T // block_size, block_size)
+    first_BN, last_BN = doc_BNS[..., 0], doc_BNS[..., -1]  # document ids never decrease along a row (cumsum)
+    block_N = torch.arange(T // block_size, device=doc_BT.device)
+    gap_QK = block_N[:, None] - block_N[None, :]
+    touching_BQK = last_BN[:, None, :] >= first_BN[:, :, None]  # with k block <= q block: ranges overlap
+    single_doc_BN = first_BN == last_BN
+    one_doc_BQK = single_doc_BN[:, :, None] & single_doc_BN[:, None, :] & (first_BN[:, :, None] == first_BN[:, None, :])
+    return gap_QK, touching_BQK, one_doc_BQK
+
+
 def block_mask(doc_BT: Tensor, window: Tensor, block_size: int) -> BlockMask:
     """FlexAttention BlockMask for the mask rule above, from per-block document ranges.
 
@@ -73,19 +89,9 @@ def block_mask(doc_BT: Tensor, window: Tensor, block_size: int) -> BlockMask:
     - skipped otherwise, as is every pair outside the window.
     Needs T to be a multiple of block_size (the caller checks).
     """
-    B, T = doc_BT.shape
-    assert T % block_size == 0, (T, block_size)
-    doc_BNS = doc_BT.view(B, T // block_size, block_size)
-    first_BN, last_BN = doc_BNS[..., 0], doc_BNS[..., -1]  # document ids never decrease along a row (cumsum)
-    block_N = torch.arange(T // block_size, device=doc_BT.device)
-    gap_QK = block_N[:, None] - block_N[None, :]  # query block - key block
+    gap_QK, touching_BQK, one_doc_BQK = block_pairs(doc_BT, block_size)
     blocks = window_blocks(window, block_size)
     inside_QK = (gap_QK >= 0) & (gap_QK < blocks)
-
-    touching_BQK = last_BN[:, None, :] >= first_BN[:, :, None]  # with k block <= q block: ranges overlap
-    single_doc_BN = first_BN == last_BN
-    one_doc_BQK = single_doc_BN[:, :, None] & single_doc_BN[:, None, :] & (first_BN[:, :, None] == first_BN[:, None, :])
-
     full_BQK = inside_QK & (gap_QK > 0) & one_doc_BQK
     partial_BQK = inside_QK & touching_BQK & ~full_BQK
 
