@@ -4,13 +4,13 @@ The head is the largest matrix product of the 124M model (a third of its FLOPs) 
 logits are the largest tensor (49,152 x 50,304 per micro-batch: 9.9 GB in fp32). Two paths compute one loss:
 
 - `reference_loss`: capped fp32 logits, then F.cross_entropy. The obvious code; tests compare against it.
-- `HeadLoss`: an autograd.Function that keeps only the bf16 logits (or nothing larger) for backward. Its forward
-  reduces the capped logits to one log-sum-exp per token; its backward writes the logits' gradient once, already
-  in FP8 when the projection is FP8 (in both layouts the two FP8 products need). On CUDA each side is one
-  Triton kernel (model/head_kernels.py) plus the matrix products; elsewhere the torch ops `lse_and_loss`,
-  `logits_grad` and `logits_grad_fp8` below do the same. The fp32 (tokens x vocab) tensors of the reference never
-  exist (the idea of Cut Cross-Entropy, Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language
-  Models", without its custom matmul kernel).
+- `HeadLoss`: an autograd.Function whose forward reduces the capped logits to one log-sum-exp per token and, in
+  the same kernel, writes the logits' gradient once, already in FP8 when the projection is FP8 (in both layouts
+  the two FP8 products need); it keeps that gradient for the backward instead of the logits. On CUDA that is one
+  Triton kernel (model/head_kernels.py, plus a transpose for FP8) beside the matrix products; elsewhere the torch
+  ops `lse_and_loss`, `loss_and_unit_grad` and `loss_and_unit_grad_fp8` below do the same. The fp32 (tokens x
+  vocab) tensors of the reference never exist (the idea of Cut Cross-Entropy, Wijmans et al. 2024, "Cut Your
+  Losses in Large-Vocabulary Language Models", without its custom matmul kernel).
 
 FP8 (`fp8=True`, GPUs with compute capability 8.9+; modded-nanogpt's FP8 head, record of 2025-01-13): the
 three matrix products run in torch._scaled_mm with e4m3 inputs/weights and e5m2 gradients, per-tensor scales.
@@ -20,6 +20,7 @@ is scaled by its own absolute maximum, and the gradient is scaled by 2^15 times 
 Shape legend: N tokens (flattened batch), D model dim, V vocab.
 """
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -88,36 +89,54 @@ def lse_and_loss(logits_NV: Tensor, targets_N: Tensor, softcap: float) -> tuple[
     return lse_N, torch.where(valid_N, lse_N - target_logit_N, 0.0)
 
 
-def _unit_grad(logits_NV: Tensor, lse_N: Tensor, targets_N: Tensor, softcap: float) -> Tensor:
-    """d loss / d raw logit = (softmax - onehot) * (1 - tanh^2), each factor bounded by 1 in magnitude."""
+def unit_grad(logits_NV: Tensor, lse_N: Tensor, targets_N: Tensor, softcap: float) -> Tensor:
+    """d loss_n / d raw logits of row n = (softmax - onehot) * (1 - tanh^2), each factor bounded by 1 in magnitude;
+    0 in the rows of ignored targets. fp32 (fp64 for fp64 logits)."""
     z_NV = capped(logits_NV, softcap)
     probs_NV = torch.exp(z_NV - lse_N[:, None])
     onehot_NV = torch.arange(z_NV.size(1), device=z_NV.device)[None, :] == targets_N[:, None]
-    return (probs_NV - onehot_NV.to(z_NV.dtype)) * (1.0 - (z_NV / softcap) ** 2)
+    valid_N1 = (targets_N != IGNORE_INDEX)[:, None]
+    return (probs_NV - onehot_NV.to(z_NV.dtype)) * (1.0 - (z_NV / softcap) ** 2) * valid_N1
 
 
-def logits_grad(logits_NV: Tensor, lse_N: Tensor, targets_N: Tensor, grad_N: Tensor, softcap: float) -> Tensor:
-    """Gradient of sum(loss_N * grad_N) w.r.t. the raw logits, in their dtype (grad_N is 0 where ignored)."""
-    return (_unit_grad(logits_NV, lse_N, targets_N, softcap) * grad_N[:, None]).to(logits_NV.dtype)
+def loss_and_unit_grad(logits_NV: Tensor, targets_N: Tensor, softcap: float) -> tuple[Tensor, Tensor]:
+    """(loss_N, u_NV): the per-token loss and `unit_grad` in the logits' dtype."""
+    lse_N, loss_N = lse_and_loss(logits_NV, targets_N, softcap)
+    return loss_N, unit_grad(logits_NV, lse_N, targets_N, softcap).to(logits_NV.dtype)
 
 
-def logits_grad_fp8(logits_NV: Tensor, lse_N: Tensor, targets_N: Tensor, grad_N: Tensor, g_scale: Tensor,
-                    softcap: float) -> tuple[Tensor, Tensor]:
-    """The same gradient divided by g_scale in e5m2, as (N, V) and as its transpose (V, N), both row-major: the
-    first operands of the two backward torch._scaled_mm."""
-    g8_NV = (_unit_grad(logits_NV, lse_N, targets_N, softcap) * (grad_N / g_scale)[:, None]).to(torch.float8_e5m2)
-    return g8_NV, g8_NV.t().contiguous()
+def loss_and_unit_grad_fp8(logits_NV: Tensor, targets_N: Tensor, softcap: float, u_scale: float
+                           ) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss_N, u8_NV, u8t_VN): the loss and u_scale times `unit_grad` in e5m2, as (N, V) and as its transpose
+    (V, N), both row-major: the first operands of the two backward torch._scaled_mm."""
+    lse_N, loss_N = lse_and_loss(logits_NV, targets_N, softcap)
+    u8_NV = (unit_grad(logits_NV, lse_N, targets_N, softcap) * u_scale).to(torch.float8_e5m2)
+    return loss_N, u8_NV, u8_NV.t().contiguous()
+
+
+# HeadLoss's ops on tensors that are not on a GPU: the torch functions above, under the kernels' names
+TORCH_OPS = SimpleNamespace(lse_and_loss=lse_and_loss, loss_and_unit_grad=loss_and_unit_grad,
+                            loss_and_unit_grad_fp8=loss_and_unit_grad_fp8)
+
+
+def ops_for(t: Tensor):
+    """model/head_kernels.py's Triton ops for CUDA tensors, TORCH_OPS for others."""
+    return head_kernels if t.is_cuda else TORCH_OPS
 
 
 class HeadLoss(torch.autograd.Function):
     """Per-token loss of capped logits (N,) fp32, from normed x (N, D) and the fp32 master weight (V, D).
 
-    Saved for backward: the logits in x's dtype (bf16 on the GPU), one fp32 log-sum-exp per token and the
-    projection's operands (FP8 copies when `fp8`). Between the matrix products, CUDA tensors go through the
-    Triton kernels of model/head_kernels.py, others through the torch ops above (same names, same results)."""
+    With `with_grad`, the forward also computes the logits' unit gradient (`unit_grad`: the gradient of each token's
+    own loss) in the same pass, and saves it instead of the logits: the backward's upstream gradient grad_N is one
+    factor per token row, which it applies to the small (N, D) tensors (grad_x's rows, x's rows for grad_w), so the
+    backward runs the two matrix products and reads nothing of size (tokens x vocab) twice. Also saved: the
+    projection's operands (FP8 copies when `fp8`). Between the matrix products, CUDA tensors go through the Triton
+    kernels of model/head_kernels.py, others through the torch ops above (same names, same results)."""
 
     @staticmethod
-    def forward(ctx, x_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, softcap: float, fp8: bool) -> Tensor:
+    def forward(ctx, x_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, softcap: float, fp8: bool,
+                with_grad: bool) -> Tensor:
         if fp8:
             # normed rows have RMS 1, so |x| <= sqrt(D): a fixed scale that can never overflow
             x_scale = torch.full((), math.sqrt(x_ND.size(-1)) / E4M3_MAX, device=x_ND.device)
@@ -129,33 +148,36 @@ class HeadLoss(torch.autograd.Function):
             x_scale = w_scale = None
             x_op, w_op = x_ND, weight_VD.type_as(x_ND)
             logits_NV = x_op @ w_op.t()
-        lse_and_loss_fn = head_kernels.lse_and_loss if logits_NV.is_cuda else lse_and_loss
-        lse_N, loss_N = lse_and_loss_fn(logits_NV, targets_N, softcap)
-        ctx.save_for_backward(x_op, w_op, x_scale, w_scale, logits_NV, lse_N, targets_N)
-        ctx.softcap, ctx.fp8, ctx.w_dtype = softcap, fp8, weight_VD.dtype
+        ops = ops_for(logits_NV)
+        if not with_grad:
+            return ops.lse_and_loss(logits_NV, targets_N, softcap)[1]
+        if fp8:
+            loss_N, u_NV, u_VN = ops.loss_and_unit_grad_fp8(logits_NV, targets_N, softcap, GRAD_FP8_SCALE)
+        else:
+            (loss_N, u_NV), u_VN = ops.loss_and_unit_grad(logits_NV, targets_N, softcap), None
+        ctx.save_for_backward(x_op, w_op, x_scale, w_scale, u_NV, u_VN, targets_N)
+        ctx.fp8, ctx.x_dtype, ctx.w_dtype = fp8, x_ND.dtype, weight_VD.dtype
         return loss_N
 
     @staticmethod
     def backward(ctx, grad_N: Tensor):
-        softcap, fp8 = ctx.softcap, ctx.fp8
-        x_op, w_op, x_scale, w_scale, logits_NV, lse_N, targets_N = ctx.saved_tensors
+        x_op, w_op, x_scale, w_scale, u_NV, u_VN, targets_N = ctx.saved_tensors
         grad_N = torch.where(targets_N != IGNORE_INDEX, grad_N, 0.0)
-        if not fp8:
-            grad_fn = head_kernels.logits_grad if logits_NV.is_cuda else logits_grad
-            grad_logits_NV = grad_fn(logits_NV, lse_N, targets_N, grad_N, softcap)
-            grad_x = grad_logits_NV @ w_op
-            grad_w = (grad_logits_NV.t() @ x_op).to(ctx.w_dtype)
-            return grad_x, grad_w, None, None, None
+        if not ctx.fp8:
+            grad_x = ((u_NV @ w_op) * grad_N[:, None]).to(x_op.dtype)
+            grad_w = u_NV.t() @ (x_op * grad_N[:, None]).to(x_op.dtype)
+            return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None
+        # u8 holds GRAD_FP8_SCALE * unit: g_scale rescales it to the largest |grad_N|, and the factor per row
+        # r_N = grad_N / max|grad_N| in [-1, 1] does the rest (exactly 1 or 0 for a mean loss's gradient)
         grad_bound = grad_N.abs().amax().float()
         grad_bound = torch.where(grad_bound > 0, grad_bound, torch.ones_like(grad_bound))
-        g_scale = grad_bound / GRAD_FP8_SCALE
-        grad_fp8_fn = head_kernels.logits_grad_fp8 if logits_NV.is_cuda else logits_grad_fp8
-        g8_NV, g8t_VN = grad_fp8_fn(logits_NV, lse_N, targets_N, grad_N, g_scale, softcap)
-        grad_x = torch._scaled_mm(g8_NV, _col_major(w_op), scale_a=g_scale, scale_b=w_scale,
-                                  out_dtype=logits_NV.dtype)
-        grad_w = torch._scaled_mm(g8t_VN, _col_major(x_op), scale_a=g_scale, scale_b=x_scale,
+        g_scale, r_N1 = grad_bound / GRAD_FP8_SCALE, (grad_N / grad_bound)[:, None]
+        grad_x = torch._scaled_mm(u_NV, _col_major(w_op), scale_a=g_scale, scale_b=w_scale, out_dtype=ctx.x_dtype)
+        # |r| <= 1 keeps x's e4m3 values within x_scale's bound
+        x_r_op = (x_op.float() * r_N1).to(torch.float8_e4m3fn)
+        grad_w = torch._scaled_mm(u_VN, _col_major(x_r_op), scale_a=g_scale, scale_b=x_scale,
                                   out_dtype=torch.float32)
-        return grad_x, grad_w.to(ctx.w_dtype), None, None, None
+        return (grad_x * r_N1).to(ctx.x_dtype), grad_w.to(ctx.w_dtype), None, None, None, None
 
 
 class Head(nn.Module):
@@ -179,7 +201,8 @@ class Head(nn.Module):
         """Cross-entropy over targets != IGNORE_INDEX: "mean" and "sum" give a scalar, "none" a (B, T) tensor."""
         x_ND = norm(x_BTD).flatten(0, 1)
         if self.fused:
-            loss_N = HeadLoss.apply(x_ND, self.weight, targets_BT.flatten(), self.softcap, self.fp8)
+            loss_N = HeadLoss.apply(x_ND, self.weight, targets_BT.flatten(), self.softcap, self.fp8,
+                                    torch.is_grad_enabled())
         else:
             assert not self.fp8, "the FP8 head needs the fused path (Head.fused = True)"
             loss_N = reference_loss(x_ND, self.weight, targets_BT.flatten(), self.softcap)

@@ -1,16 +1,23 @@
-"""Triton kernels of the head loss (model/head.py, HeadLoss) on CUDA: one forward reduction, one backward writer
-(and, for FP8, one transpose).
+"""Triton kernels of the head loss (model/head.py, HeadLoss) on CUDA: one forward kernel (which also writes the
+logits' unit gradient when a backward will follow) and, for FP8, one transpose.
 
 Compiled by inductor from torch ops, the head loss took 2.7 ms (forward) + 7.7 ms (backward) per 49,152 x 50,304
 micro-batch on the H200 (bench/results/README.md) for ~15 GB of traffic, ~3.1 ms at 4.8 TB/s. These kernels read
-the bf16 logits once per pass and write the gradient once per layout:
+the bf16 logits from HBM once and write the gradient once per layout:
 
-- `lse_and_loss`: one program per token row, one pass over the vocabulary (the capped logits z lie in [-c, c], so
-  sum(exp(z - c)) needs no running maximum: model.head.bounded_logsumexp).
-- `logits_grad` / `logits_grad_fp8`: 2-D tiles of (tokens x vocab), stored row-major. torch._scaled_mm wants its
-  first operand row-major, so grad_x = g8_NV @ W and grad_w = g8t_VN @ x each need their own layout: the FP8
-  version then transposes its e5m2 output in a second kernel. Measured per micro-batch on the H200
-  (bench/results/head_kernels_1xH200.json): 4.37 ms for the two, against 7.87 ms for inductor's kernel; one
+- `lse_and_loss` (validation, and whatever runs without grad): one program per token row, one pass over the
+  vocabulary (the capped logits z lie in [-c, c], so sum(exp(z - c)) needs no running maximum:
+  model.head.bounded_logsumexp).
+- `loss_and_unit_grad` / `loss_and_unit_grad_fp8` (training): the same pass, then a second pass over the same row,
+  which it re-reads mostly from L2, storing the unit gradient (softmax - onehot) * tanh' row-major. The upstream
+  gradient is one factor per token row; HeadLoss.backward applies it to the matrix products' other operand or
+  output, so the (tokens x vocab) gradient is complete when the forward ends and the backward reads no logits.
+  torch._scaled_mm wants its first operand row-major, so grad_x = u8_NV @ W and grad_w = u8t_VN @ x each need
+  their own layout: the FP8 version then transposes its e5m2 output in a second kernel.
+- Measured per micro-batch on the H200 (bench/results/head_kernels_1xH200.json): the forward with the e5m2
+  gradient 3.08 ms and the transpose 1.31, against 1.48 for the forward alone plus 3.74 for the backward kernels
+  this replaced, which read the logits again (a 32 x 256-tile gradient writer and the same transpose; 756a0f8).
+  The e5m2 bits are the same as those kernels' for the uniform upstream gradient of a mean loss. Earlier, one
   kernel storing each tile in both layouts took 7.6-10.8 ms at six tile shapes (head_kernels_1xH200_8ab2f99.json).
 
 The softcap z = c tanh(l / c) takes one special-function (MUFU) operation, PTX's tanh.approx.f32 (sm_75 and later;
@@ -50,12 +57,11 @@ _IGNORE_INDEX = tl.constexpr(-100)  # model.head.IGNORE_INDEX
 # (It also keeps triton 3.6's interpreter off a runtime loop bound, which fails with numpy >= 2.4:
 # triton-lang/triton#9171.)
 # Forward: one program per row walks the vocabulary in chunks of 2,048: 8 elements (one 16-byte bf16 load) per
-# thread of 8 warps; 50,304 = 24.6 chunks, so the masked tail wastes under 2% of the work.
+# thread of 8 warps; 50,304 = 24.6 chunks, so the masked tail wastes under 2% of the work. With the e5m2 gradient's
+# second pass, 4,096 x 8 warps took 2.94 ms and 2,048 x 4 or 8 warps 3.05-3.08 (1,024 and 16 warps up to 5.3;
+# bench/results/head_kernels_1xH200.json). 2,048 x 8 sums in the order of the kernels it replaced, so the loss
+# and the e5m2 gradient keep their bits, and the loss curves measured before this change still hold.
 _FORWARD_BLOCK_V, _FORWARD_WARPS = 2048, 8
-# Backward: 32 x 256 tiles of 4 warps, the fastest of four shapes from 64 x 128 to 8 x 1,024 in the first sweep
-# (2.85 against up to 2.98 ms, bench/results/head_kernels_1xH200_8ab2f99.json; tied with 8 x 1,024 in the second).
-# 49,152 = 1,536 x 32; 50,304 = 196.5 x 256: the masked tail is half a tile's columns, in one tile column of 197.
-_BACKWARD_BLOCK_N, _BACKWARD_BLOCK_V, _BACKWARD_WARPS = 32, 256, 4
 # Transpose: 64 x 128 tiles of 4 warps (1.30 ms; 128 x 128 took 1.32, 64 x 64 1.67, 32 x 32 2.07; inductor's
 # g.t().contiguous() 2.12; the same file): an e5m2 tile row is 128 bytes read, a transposed one 64 bytes
 # written, whole 32-byte sectors either way.
@@ -80,8 +86,10 @@ def _tanh_of(logits, softcap):
 
 
 @triton.jit
-def _forward_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, softcap: tl.constexpr, V: tl.constexpr,
-                    BLOCK_V: tl.constexpr):
+def _forward_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, u_ptr, softcap: tl.constexpr, V: tl.constexpr,
+                    BLOCK_V: tl.constexpr, GRAD: tl.constexpr, U_SCALE: tl.constexpr):
+    """lse and loss of one row; with GRAD, a second pass over the row stores U_SCALE times the unit gradient
+    (softmax(z) - onehot) * tanh' (0 where ignored) in u_ptr's dtype (else u_ptr is not written)."""
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * V  # N x V passes 2^31 at the training size
     # exp(z - c) = exp(c (t - 1)), summed lane-wise and reduced once at the end
@@ -97,35 +105,18 @@ def _forward_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, softcap: tl.cons
     z_target = softcap * _tanh_of(tl.load(row_ptr + tl.where(ignored, 0, target)), softcap)
     tl.store(lse_ptr + row, lse)
     tl.store(loss_ptr + row, tl.where(ignored, 0.0, lse - z_target))
-
-
-@triton.jit
-def _grad_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, g_scale_ptr, g_ptr, N, softcap: tl.constexpr,
-                 V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, SCALED: tl.constexpr):
-    """g = (softmax(z) - onehot) * tanh' * grad_N, divided by the 0-D g_scale when SCALED (else g_scale_ptr is not
-    read), stored row-major in g_ptr's dtype.
-
-    One kernel for both dtypes, without a helper function that takes the pointers: inductor's analysis of which
-    arguments a user kernel writes counts every pointer passed to a called function as written (torch 2.13 on
-    the CPU named logits, lse, targets and grad), and a written input is copied before the call. The profiles of
-    the earlier kernels have a 2.3 ms copy per micro-batch beside them, the time of copying the bf16 logits
-    (bench/results/profile_step28_1xH200.txt: triton_poi_fused_3)."""
-    rows_N = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_V = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    rows_inside_N = rows_N < N
-    inside_NV = rows_inside_N[:, None] & (cols_V < V)[None, :]
-    logits_NV = tl.load(logits_ptr + rows_N.to(tl.int64)[:, None] * V + cols_V[None, :], mask=inside_NV, other=0.0)
-    lse_N = tl.load(lse_ptr + rows_N, mask=rows_inside_N, other=0.0)
-    targets_N = tl.load(targets_ptr + rows_N, mask=rows_inside_N, other=_IGNORE_INDEX)
-    row_grad_N = tl.load(grad_ptr + rows_N, mask=rows_inside_N, other=0.0)
-    if SCALED:
-        row_grad_N = row_grad_N / tl.load(g_scale_ptr)
-    t_NV = _tanh_of(logits_NV, softcap)
-    probs_NV = tl.exp2(_LOG2E * (softcap * t_NV - lse_N[:, None]))
-    onehot_NV = (cols_V[None, :] == targets_N[:, None]).to(tl.float32)
-    g_NV = (probs_NV - onehot_NV) * (1.0 - t_NV * t_NV) * row_grad_N[:, None]
-    tl.store(g_ptr + rows_N.to(tl.int64)[:, None] * V + cols_V[None, :], g_NV.to(g_ptr.dtype.element_ty),
-             mask=inside_NV)
+    if GRAD:
+        # the row was read a moment ago: most of this pass reads it from L2, not HBM
+        scale = tl.where(ignored, 0.0, U_SCALE)
+        u_row_ptr = u_ptr + row.to(tl.int64) * V
+        for start in range(0, V, BLOCK_V):
+            cols_V = start + tl.arange(0, BLOCK_V)
+            inside_V = cols_V < V
+            t_V = _tanh_of(tl.load(row_ptr + cols_V, mask=inside_V, other=0.0), softcap)
+            probs_V = tl.exp2(_LOG2E * (softcap * t_V - lse))
+            onehot_V = (cols_V == target).to(tl.float32)
+            u_V = (probs_V - onehot_V) * (1.0 - t_V * t_V) * scale
+            tl.store(u_row_ptr + cols_V, u_V.to(u_ptr.dtype.element_ty), mask=inside_V)
 
 
 @triton.jit
@@ -147,49 +138,43 @@ def _check(logits_NV: Tensor, *rows: Tensor) -> None:
         torch._check(t.shape == logits_NV.shape[:1] and t.is_contiguous(), lambda: "one contiguous value per row")
 
 
-@triton_op("speedrun::head_lse_and_loss", mutates_args=())
-def lse_and_loss(logits_NV: Tensor, targets_N: Tensor, softcap: float) -> tuple[Tensor, Tensor]:
-    """(lse_N, loss_N) in fp32: model.head.lse_and_loss in one read of the logits."""
+def _forward(logits_NV: Tensor, targets_N: Tensor, softcap: float, u_NV: Tensor | None = None,
+             u_scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """(lse_N, loss_N) in fp32 from one launch of _forward_kernel; it also fills u_NV when one is given."""
     _check(logits_NV, targets_N)
     N, V = logits_NV.shape
     lse_N = torch.empty(N, dtype=torch.float32, device=logits_NV.device)
     loss_N = torch.empty(N, dtype=torch.float32, device=logits_NV.device)
-    wrap_triton(_forward_kernel)[(N,)](logits_NV, targets_N, lse_N, loss_N, softcap,
-                                       V=V, BLOCK_V=_FORWARD_BLOCK_V, num_warps=_FORWARD_WARPS)
+    # without u_NV, lse_N stands in for the pointer the kernel does not write
+    wrap_triton(_forward_kernel)[(N,)](logits_NV, targets_N, lse_N, loss_N, lse_N if u_NV is None else u_NV, softcap,
+                                       V=V, BLOCK_V=_FORWARD_BLOCK_V, GRAD=u_NV is not None, U_SCALE=u_scale,
+                                       num_warps=_FORWARD_WARPS)
     return lse_N, loss_N
 
 
-def _backward_grid(N: int, V: int) -> tuple[int, int]:
-    # row tiles on the first axis (up to 2^31 - 1 programs), vocabulary tiles (197) on the second (65,535)
-    return triton.cdiv(N, _BACKWARD_BLOCK_N), triton.cdiv(V, _BACKWARD_BLOCK_V)
+@triton_op("speedrun::head_lse_and_loss", mutates_args=())
+def lse_and_loss(logits_NV: Tensor, targets_N: Tensor, softcap: float) -> tuple[Tensor, Tensor]:
+    """(lse_N, loss_N) in fp32: model.head.lse_and_loss in one read of the logits."""
+    return _forward(logits_NV, targets_N, softcap)
 
 
-@triton_op("speedrun::head_logits_grad", mutates_args=())
-def logits_grad(logits_NV: Tensor, lse_N: Tensor, targets_N: Tensor, grad_N: Tensor, softcap: float) -> Tensor:
-    """Gradient of sum(loss_N * grad_N) w.r.t. the raw logits (N, V), in their dtype: model.head.logits_grad."""
-    _check(logits_NV, lse_N, targets_N, grad_N)
+@triton_op("speedrun::head_loss_and_unit_grad", mutates_args=())
+def loss_and_unit_grad(logits_NV: Tensor, targets_N: Tensor, softcap: float) -> tuple[Tensor, Tensor]:
+    """(loss_N, u_NV): the loss and the unit gradient in the logits' dtype: model.head.loss_and_unit_grad."""
+    u_NV = torch.empty_like(logits_NV)
+    return _forward(logits_NV, targets_N, softcap, u_NV)[1], u_NV
+
+
+@triton_op("speedrun::head_loss_and_unit_grad_fp8", mutates_args=())
+def loss_and_unit_grad_fp8(logits_NV: Tensor, targets_N: Tensor, softcap: float, u_scale: float
+                           ) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss_N, u8_NV, u8t_VN): the loss and u_scale times the unit gradient in e5m2, row-major and transposed (the
+    same bits): model.head.loss_and_unit_grad_fp8."""
     N, V = logits_NV.shape
-    g_NV = torch.empty_like(logits_NV)
-    # grad_N stands in for g_scale, which the unscaled kernel does not read
-    wrap_triton(_grad_kernel)[_backward_grid(N, V)](logits_NV, lse_N, targets_N, grad_N, grad_N, g_NV, N, softcap,
-                                                    V=V, BLOCK_N=_BACKWARD_BLOCK_N, BLOCK_V=_BACKWARD_BLOCK_V,
-                                                    SCALED=False, num_warps=_BACKWARD_WARPS)
-    return g_NV
-
-
-@triton_op("speedrun::head_logits_grad_fp8", mutates_args=())
-def logits_grad_fp8(logits_NV: Tensor, lse_N: Tensor, targets_N: Tensor, grad_N: Tensor, g_scale: Tensor,
-                    softcap: float) -> tuple[Tensor, Tensor]:
-    """(g8_NV, g8t_VN): the gradient divided by the 0-D g_scale in e5m2, row-major and transposed (the same bits):
-    model.head.logits_grad_fp8."""
-    _check(logits_NV, lse_N, targets_N, grad_N)
-    N, V = logits_NV.shape
-    g8_NV = torch.empty((N, V), dtype=torch.float8_e5m2, device=logits_NV.device)
-    g8t_VN = torch.empty((V, N), dtype=torch.float8_e5m2, device=logits_NV.device)
-    wrap_triton(_grad_kernel)[_backward_grid(N, V)](logits_NV, lse_N, targets_N, grad_N, g_scale, g8_NV, N, softcap,
-                                                    V=V, BLOCK_N=_BACKWARD_BLOCK_N, BLOCK_V=_BACKWARD_BLOCK_V,
-                                                    SCALED=True, num_warps=_BACKWARD_WARPS)
+    u8_NV = torch.empty((N, V), dtype=torch.float8_e5m2, device=logits_NV.device)
+    u8t_VN = torch.empty((V, N), dtype=torch.float8_e5m2, device=logits_NV.device)
+    loss_N = _forward(logits_NV, targets_N, softcap, u8_NV, u_scale)[1]
     transpose_grid = (triton.cdiv(N, _TRANSPOSE_BLOCK_R), triton.cdiv(V, _TRANSPOSE_BLOCK_C))
-    wrap_triton(_transpose_kernel)[transpose_grid](g8_NV, g8t_VN, N, V, BLOCK_R=_TRANSPOSE_BLOCK_R,
+    wrap_triton(_transpose_kernel)[transpose_grid](u8_NV, u8t_VN, N, V, BLOCK_R=_TRANSPOSE_BLOCK_R,
                                                    BLOCK_C=_TRANSPOSE_BLOCK_C, num_warps=_TRANSPOSE_WARPS)
-    return g8_NV, g8t_VN
+    return loss_N, u8_NV, u8t_VN

@@ -27,8 +27,8 @@ def loss_and_grads(fn, x, w, targets, upstream):
     return loss.detach(), x.grad, w.grad
 
 
-def fused(fp8):
-    return lambda x, w, t: HeadLoss.apply(x, w, t, SOFTCAP, fp8)
+def fused(fp8, with_grad=True):
+    return lambda x, w, t: HeadLoss.apply(x, w, t, SOFTCAP, fp8, with_grad)
 
 
 def reference(x, w, t):
@@ -86,6 +86,36 @@ def test_fp8_matches_reference():
     assert cosine(gx, want[1]) > 0.99 and cosine(gw, want[2]) > 0.99
     # the gradient keeps its magnitude through the FP8 scaling (not just its direction)
     assert gw.norm().item() == pytest.approx(want[2].norm().item(), rel=0.05)
+
+
+def test_fp8_per_token_upstream_gradients():
+    """Upstream gradients of both signs over three orders of magnitude: HeadLoss.backward scales the e5m2 unit
+    gradient by the largest and applies each token's ratio to x's rows (grad_w) and grad_x's rows; both gradients
+    stay aligned with the fp32 reference to 0.99 and keep its magnitude. Dropping the ratio (every token at the
+    largest gradient) takes both alignments to about 0.1."""
+    x, w, targets = problem(n=128, d=128, v=512, dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    upstream = torch.randn(len(targets), generator=g) * 10.0 ** (-3 * torch.rand(len(targets), generator=g))
+    want = loss_and_grads(reference, x, w, targets, upstream)
+    _, gx, gw = loss_and_grads(fused(True), x.bfloat16(), w, targets, upstream)
+    assert cosine(gx, want[1]) > 0.99 and cosine(gw, want[2]) > 0.99
+    assert gw.norm().item() == pytest.approx(want[2].norm().item(), rel=0.05)
+    assert gx.float().norm().item() == pytest.approx(want[1].norm().item(), rel=0.05)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_loss_without_grad_is_the_same(fp8):
+    """Without a backward to follow (validation), HeadLoss skips the gradient's pass: the same loss, bit for bit,
+    and Head picks that path under torch.no_grad."""
+    x, w, targets = problem(n=64, d=64, v=256, dtype=torch.bfloat16)
+    with_grad = fused(fp8)(x, w.float(), targets)
+    assert torch.equal(fused(fp8, with_grad=False)(x, w.float(), targets), with_grad)
+    head = Head(64, 256, SOFTCAP)
+    head.fp8 = fp8
+    head.weight.data.copy_(w.float())
+    with torch.no_grad():
+        loss = head(x[None], targets[None], "none")
+    assert loss.grad_fn is None and torch.equal(loss.flatten(), with_grad)
 
 
 def test_fp8_zero_weight_gives_log_vocab():
