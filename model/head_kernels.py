@@ -14,11 +14,12 @@ the bf16 logits from HBM once and write the gradient once per layout:
   output, so the (tokens x vocab) gradient is complete when the forward ends and the backward reads no logits.
   torch._scaled_mm wants its first operand row-major, so grad_x = u8_NV @ W and grad_w = u8t_VN @ x each need
   their own layout: the FP8 version then transposes its e5m2 output in a second kernel.
-- Measured per micro-batch on the H200 (bench/results/head_kernels_1xH200.json): the forward with the e5m2
-  gradient 3.08 ms and the transpose 1.31, against 1.48 for the forward alone plus 3.74 for the backward kernels
-  this replaced, which read the logits again (a 32 x 256-tile gradient writer and the same transpose; 756a0f8).
-  The e5m2 bits are the same as those kernels' for the uniform upstream gradient of a mean loss. Earlier, one
-  kernel storing each tile in both layouts took 7.6-10.8 ms at six tile shapes (head_kernels_1xH200_8ab2f99.json).
+- Measured per micro-batch on the H200: the forward with the e5m2 gradient 3.08 ms and the transpose 1.31, against
+  1.48 for the forward alone plus 3.74 for the backward kernels this replaced, which read the logits again (a
+  32 x 256-tile gradient writer and the same transpose; bench/results/head_fused_scratch_1xH200_756a0f8.json, a
+  scratch script against 756a0f8's kernels). The e5m2 bits are those kernels' for the uniform upstream gradient of
+  a mean loss (head_bits_1xH200_b613f20_vs_756a0f8.txt). Earlier, one kernel storing each tile in both layouts
+  took 7.6-10.8 ms at six tile shapes (head_kernels_1xH200_8ab2f99.json).
 
 The softcap z = c tanh(l / c) takes one special-function (MUFU) operation, PTX's tanh.approx.f32 (sm_75 and later;
 the bf16 model needs sm_80 anyway), and the softmax's exp2 one more: two per element, where the exp2 and division of
@@ -58,12 +59,13 @@ _IGNORE_INDEX = tl.constexpr(-100)  # model.head.IGNORE_INDEX
 # triton-lang/triton#9171.)
 # Forward: one program per row walks the vocabulary in chunks of 2,048: 8 elements (one 16-byte bf16 load) per
 # thread of 8 warps; 50,304 = 24.6 chunks, so the masked tail wastes under 2% of the work. With the e5m2 gradient's
-# second pass, 4,096 x 8 warps took 2.94 ms and 2,048 x 4 or 8 warps 3.05-3.08 (1,024 and 16 warps up to 5.3;
-# bench/results/head_kernels_1xH200.json). 2,048 x 8 sums in the order of the kernels it replaced, so the loss
-# and the e5m2 gradient keep their bits, and the loss curves measured before this change still hold.
+# second pass, two sweeps on two machines (bench/results/head_fused_scratch_1xH200_756a0f8.json, then
+# head_kernels_1xH200_b613f20.json) gave 2.94 and 2.98 ms for chunks of 4,096 x 8 warps, 3.05 and 2.96 for 2,048 x 4,
+# 3.08 and 3.17 for 2,048 x 8, and up to 5.3 for the others. 2,048 x 8 sums in the order of the kernels it replaced,
+# so the loss and the e5m2 gradient keep their bits and the loss curves measured before this change still hold.
 _FORWARD_BLOCK_V, _FORWARD_WARPS = 2048, 8
 # Transpose: 64 x 128 tiles of 4 warps (1.30 ms; 128 x 128 took 1.32, 64 x 64 1.67, 32 x 32 2.07; inductor's
-# g.t().contiguous() 2.12; the same file): an e5m2 tile row is 128 bytes read, a transposed one 64 bytes
+# g.t().contiguous() 2.12; head_kernels_1xH200_8ab2f99.json, and within 0.05 ms of these in the later files): an e5m2 tile row is 128 bytes read, a transposed one 64 bytes
 # written, whole 32-byte sectors either way.
 _TRANSPOSE_BLOCK_R, _TRANSPOSE_BLOCK_C, _TRANSPOSE_WARPS = 64, 128, 4
 
