@@ -130,7 +130,7 @@ class HeadLoss(torch.autograd.Function):
     With `with_grad`, the forward also computes the logits' unit gradient (`unit_grad`: the gradient of each token's
     own loss) in the same pass, and saves it instead of the logits: the backward's upstream gradient grad_N is one
     factor per token row, which it applies to the small (N, D) tensors (grad_x's rows, x's rows for grad_w), so the
-    backward runs the two matrix products and reads nothing of size (tokens x vocab) twice. Also saved: the
+    backward runs the two matrix products and a few (N, D) ops, and never reads the logits. Also saved: the
     projection's operands (FP8 copies when `fp8`). Between the matrix products, CUDA tensors go through the Triton
     kernels of model/head_kernels.py, others through the torch ops above (same names, same results)."""
 
