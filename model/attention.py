@@ -39,7 +39,7 @@ def short_window(window: Tensor, block_size: int) -> Tensor:
 
 
 def window_blocks(window: Tensor, block_size: int) -> Tensor:
-    """How many blocks a window spans: ceil(window / block_size), the query's own block included."""
+    """How many blocks a window (tensor or int) spans: ceil(window / block_size), the query's own block included."""
     return (window + block_size - 1) // block_size
 
 

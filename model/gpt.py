@@ -234,7 +234,7 @@ class GPT(nn.Module):
 
 def attention_windows(config: GPTConfig, window: int) -> dict[int, int]:
     """{layer: its window in tokens, whole blocks} for the layers with attention, when the long window is `window`."""
-    long = int(window_blocks(torch.tensor(window), config.block_size)) * config.block_size
+    long = window_blocks(window, config.block_size) * config.block_size
     short = int(short_window(torch.tensor(window), config.block_size))
     return {i: short if config.is_short_window(i) else long
             for i in range(config.num_layers) if i not in config.no_attention_layers}

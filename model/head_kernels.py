@@ -65,8 +65,8 @@ _IGNORE_INDEX = tl.constexpr(-100)  # model.head.IGNORE_INDEX
 # so the loss and the e5m2 gradient keep their bits and the loss curves measured before this change still hold.
 _FORWARD_BLOCK_V, _FORWARD_WARPS = 2048, 8
 # Transpose: 64 x 128 tiles of 4 warps (1.30 ms; 128 x 128 took 1.32, 64 x 64 1.67, 32 x 32 2.07; inductor's
-# g.t().contiguous() 2.12; head_kernels_1xH200_8ab2f99.json, and within 0.05 ms of these in the later files): an e5m2 tile row is 128 bytes read, a transposed one 64 bytes
-# written, whole 32-byte sectors either way.
+# g.t().contiguous() 2.12; head_kernels_1xH200_8ab2f99.json, and within 0.05 ms of these in the later files): an
+# e5m2 tile row is 128 bytes read, a transposed one 64 bytes written, whole 32-byte sectors either way.
 _TRANSPOSE_BLOCK_R, _TRANSPOSE_BLOCK_C, _TRANSPOSE_WARPS = 64, 128, 4
 
 
