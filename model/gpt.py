@@ -115,7 +115,8 @@ class GPT(nn.Module):
                                            for _ in range(config.num_value_embeds)])
         self.blocks = nn.ModuleList([Block(D, config.num_heads, config.head_dim, config.mlp_ratio, config.attn_scale,
                                            attention=i not in config.no_attention_layers,
-                                           mlp=i not in config.no_mlp_layers, attn_gate=config.attn_gate)
+                                           mlp=i not in config.no_mlp_layers, attn_gate=config.attn_gate,
+                                           shares_values=i == 0 and config.value_residual)
                                      for i in range(L)])
         # U-net skips (modded-nanogpt): block i < L//2 feeds block L-1-i through a learned weight; a one-block
         # model has none (an empty parameter would never get a gradient)
@@ -209,7 +210,7 @@ class GPT(nn.Module):
             ve_index = cfg.value_embed_index(i)
             ve_BTA = None if ve_index is None else ves_BTA[ve_index]
             x_BTD, v_BTHd = block(x_BTD, x0_BTD, v_first_BTHd, ve_BTA, cos_TP, sin_TP, masks[cfg.is_short_window(i)])
-            if i == 0 and cfg.value_residual:
+            if v_BTHd is not None:  # block 0's values, with the value residual on
                 v_first_BTHd = v_BTHd
             if i < num_skips:
                 skips.append(x_BTD)

@@ -254,11 +254,14 @@ class Block(nn.Module):
     share one compiled graph per presence pattern of (v_first, ve, attention, MLP)."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, mlp_ratio: int, attn_scale: float,
-                 attention: bool = True, mlp: bool = True, attn_gate: bool = True):
+                 attention: bool = True, mlp: bool = True, attn_gate: bool = True, shares_values: bool = False):
         super().__init__()
         # a block may go without its attention or its MLP (record #28: no attention in layer 7)
         self.attn = Attention(dim, num_heads, head_dim, attn_scale, attn_gate) if attention else None
         self.mlp = MLP(dim, mlp_ratio * dim) if mlp else None
+        # only the block whose values later layers read returns them: autograd fills a zero gradient for each
+        # output of a compiled region that nothing reads, one (B, T, H, d) tensor per block and micro-step
+        self.shares_values = shares_values and attention
         # weights of (residual stream, normed embedding x0): the x0 shortcut of modded-nanogpt
         self.lambdas = nn.Parameter(torch.empty(2))
 
@@ -271,7 +274,7 @@ class Block(nn.Module):
 
     def forward(self, x_BTD: Tensor, x0_BTD: Tensor, v_first_BTHd: Tensor | None, ve_BTA: Tensor | None,
                 cos_TP: Tensor, sin_TP: Tensor, mask: BlockMask | Tensor) -> tuple[Tensor, Tensor | None]:
-        """Returns (new residual stream (B, T, D), this layer's values (B, T, H, d), None without attention)."""
+        """Returns (new residual stream (B, T, D), this layer's values (B, T, H, d) if it shares them, else None)."""
         v_BTHd = None
         if self.attn is not None:
             gate_width = 0 if self.attn.gate_w is None else self.attn.gate_w.size(1)
@@ -284,4 +287,4 @@ class Block(nn.Module):
             x_BTD = x0_mix(x_BTD, x0_BTD, self.lambdas)
         if self.mlp is not None:
             x_BTD = x_BTD + self.mlp(norm(x_BTD))
-        return x_BTD, v_BTHd
+        return x_BTD, v_BTHd if self.shares_values else None
