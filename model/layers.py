@@ -261,6 +261,7 @@ class Block(nn.Module):
         self.mlp = MLP(dim, mlp_ratio * dim) if mlp else None
         # only the block whose values later layers read returns them: autograd fills a zero gradient for each
         # output of a compiled region that nothing reads, one (B, T, H, d) tensor per block and micro-step
+        # (returning them from every block cost 5-6 ms of the H200 step, bench/results/README.md, 4ef7db2)
         self.shares_values = shares_values and attention
         # weights of (residual stream, normed embedding x0): the x0 shortcut of modded-nanogpt
         self.lambdas = nn.Parameter(torch.empty(2))

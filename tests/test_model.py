@@ -1,5 +1,6 @@
 """model/gpt.py: zero-init and the ln(V) first loss, untied head, softcap bound, parameter groups, reductions,
-causality and document isolation on both attention backends, and a tiny model that learns."""
+causality and document isolation on both attention backends, a tiny model that learns, and the compiled regions:
+one graph per block pattern, no zero gradients filled for outputs nothing reads."""
 
 import dataclasses
 import math
@@ -7,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.attention import short_window
 from helpers import recorded_compile
@@ -335,3 +337,35 @@ def test_compiled_regions_compile_one_graph_per_block_pattern(parts, graphs):
     blocks = [gm for gm in traced if "block" in gm.code.lower() or "lambdas" in gm.code]
     assert len(traced) == graphs + 4  # + embeddings and head, each for training and validation
     assert len(blocks) == graphs
+
+
+class ZeroFills(TorchDispatchMode):
+    """Records the shape of every tensor that an op creates filled with zeros."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.zeros.default:
+            self.shapes.append(tuple(args[0]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("value_residual", [False, True])
+def test_compiled_backward_fills_no_zero_gradient_for_unread_outputs(value_residual):
+    """A compiled region's backward gets a gradient for every output, and autograd fills zeros for an output that
+    nothing read: one (B, T, H, d) tensor per block and micro-step while every block returned its values (2.1 ms of
+    the H200 step in bench/results/kernels_step28_1xH200_b613f20.txt). Only the block whose values the value residual
+    shares returns them, and the later blocks still read them."""
+    config = dataclasses.replace(TINY, value_residual=value_residual)
+    model = tiny_model(config, random=True)  # random output projections: the values' weights get a gradient
+    model.compile_regions(backend="aot_eager")  # aot_autograd's runtime fills the zeros, whatever the backend
+    inputs, targets = batch()
+    model(inputs, targets, torch.tensor(64)).backward()  # compiles outside the recording
+    loss = model(inputs, targets, torch.tensor(64))
+    with ZeroFills() as fills:
+        loss.backward()
+    assert [shape for shape in fills.shapes if len(shape) > 0] == []  # scalar zeros are the only ones left
+    first_value_weights = [block.attn.value_lambdas.grad[1].item() for block in model.blocks[1:]]
+    assert all((w != 0) == value_residual for w in first_value_weights), first_value_weights
