@@ -137,9 +137,16 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
     """The numbers that follow from the config; a ValueError names the flag when they do not fit."""
     per_micro_step = cfg.device_batch_size * world_size
     if cfg.device_batch_size <= 0 or cfg.batch_size <= 0 or cfg.batch_size % per_micro_step:
+        per_rank, left_over = divmod(cfg.batch_size, world_size)
+        device_batch = max(cfg.device_batch_size, 1)
+        if per_rank > 0 and not left_over:  # the largest device batch up to the one asked for that fits
+            fit = max(d for d in range(1, min(device_batch, per_rank) + 1) if per_rank % d == 0)
+            fix = f"try --device_batch_size={fit} (it must divide {per_rank}, the sequences per process and step)"
+        else:  # no device batch fits: the sequences do not split evenly over the processes
+            step = device_batch * world_size
+            fix = f"try --batch_size={max(cfg.batch_size // step, 1) * step}"
         raise ValueError(f"--batch_size={cfg.batch_size} must be a positive multiple of --device_batch_size="
-                         f"{cfg.device_batch_size} x {world_size} processes = {per_micro_step}; pick a "
-                         f"--device_batch_size that divides {cfg.batch_size // world_size or 1}")
+                         f"{cfg.device_batch_size} x {world_size} processes = {per_micro_step}; {fix}")
     if cfg.seq_len <= 0 or cfg.seq_len % BLOCK_SIZE:
         fit = max(BLOCK_SIZE, cfg.seq_len // BLOCK_SIZE * BLOCK_SIZE)
         raise ValueError(f"--seq_len={cfg.seq_len} must be a multiple of the attention block size {BLOCK_SIZE}; "

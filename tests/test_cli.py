@@ -1,5 +1,6 @@
 """The CLI generated from TrainConfig: flag syntax, presets, type errors, suggestions, derived numbers."""
 import dataclasses
+import re
 
 import pytest
 
@@ -64,9 +65,24 @@ def test_missing_value_and_unknown_preset():
 
 def test_grad_accum_must_divide():
     cfg = TrainConfig(batch_size=8, device_batch_size=3)
-    with pytest.raises(ValueError, match=r"--batch_size=8 must be a positive multiple of --device_batch_size=3 x 2"):
+    with pytest.raises(ValueError, match=r"--batch_size=8 must be a positive multiple of --device_batch_size=3 x 2 "
+                                         r"processes = 6; try --device_batch_size=2 \(it must divide 4, "):
         derive(cfg, world_size=2)
     assert derive(TrainConfig(batch_size=8, device_batch_size=2), world_size=2).grad_accum == 2
+
+
+@pytest.mark.parametrize("batch, device_batch, world, fix", [
+    (24, 5, 1, "try --device_batch_size=4 "),  # the largest divisor of 24 up to the 5 asked for
+    (8, 0, 1, "try --device_batch_size=1 "),
+    (3, 2, 2, "try --batch_size=4"),  # no device batch splits 3 sequences over 2 processes
+    (2, 2, 8, "try --batch_size=16"),  # fewer sequences than processes
+])
+def test_batch_size_errors_name_a_fix_that_works(batch, device_batch, world, fix):
+    with pytest.raises(ValueError, match=re.escape(fix)) as error:
+        derive(TrainConfig(batch_size=batch, device_batch_size=device_batch), world_size=world)
+    flag, value = re.search(r"--(\w+)=(\d+)", str(error.value).split(";")[1]).groups()
+    fixed = {"batch_size": batch, "device_batch_size": device_batch, flag: int(value)}
+    assert derive(TrainConfig(**fixed), world_size=world).grad_accum >= 1  # the suggestion alone is enough
 
 
 def test_seq_len_must_be_a_multiple_of_the_block():

@@ -157,7 +157,7 @@ EARLY = [
       "python data/cached_fineweb10B.py 1", "--cycle_data=1", "(at most 1562 fit)"]),
     ("09 batch_size vs device_batch_size", ["--batch_size=3", "--device_batch_size=2"],
      ["--batch_size=3 must be a positive multiple of --device_batch_size=2 x 1 processes",
-      "pick a --device_batch_size"]),
+      "try --device_batch_size=1 "]),
     ("10 seq_len not a multiple of 128", ["--seq_len=200"],
      ["--seq_len=200 must be a multiple of the attention block size 128", "try --seq_len=128"]),
     ("11 val_tokens zero", ["--val_tokens=0"], ["--val_tokens=0 must be positive", "--val_tokens=10485760"]),
