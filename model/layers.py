@@ -251,7 +251,8 @@ class SkipAdd(torch.autograd.Function):
 
 class Block(nn.Module):
     """x0 mix, attention, MLP. Everything a layer needs arrives as a tensor (or None, or the mask), so all blocks
-    share one compiled graph per presence pattern of (v_first, ve, attention, MLP)."""
+    share one compiled graph per presence pattern of (v_first, ve, attention, MLP); the one block that shares its
+    values (block 0 under the value residual) is a pattern of its own anyway, as it has no v_first."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, mlp_ratio: int, attn_scale: float,
                  attention: bool = True, mlp: bool = True, attn_gate: bool = True, shares_values: bool = False):
