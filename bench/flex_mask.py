@@ -25,21 +25,19 @@ from torch.nn.attention.flex_attention import BlockMask
 from bench.attention import BLOCK, SCALE, flex_problem, tokens
 from bench.timing import cuda_times_ms
 from data.shard import BOS_ID
-from model.attention import _ordered, block_pairs, document_ids, short_window, window_blocks
+from model.attention import block_mask, document_ids, short_window, window_blocks
 
 LONG_WINDOW = 896  # bench/run.py's throughput window
 REPEATS = 30
+FORMS = ("doc_pair", "doc_start", "doc_start_nowin", "causal_only")  # the first is the model's, the reference
 
 
 def mask_with(form: str, ids_BT: Tensor, window: Tensor, block_size: int) -> BlockMask:
+    """model.attention.block_mask's block lists for token ids (B, T), with the mask_mod `form`."""
     doc_BT = document_ids(ids_BT, BOS_ID)
     pos_BT = torch.arange(ids_BT.size(1), device=ids_BT.device).expand_as(ids_BT)
     start_BT = torch.cummax(torch.where(ids_BT == BOS_ID, pos_BT, 0), dim=1).values.to(torch.int32)
-    gap_QK, touching_BQK, one_doc_BQK = block_pairs(doc_BT, block_size)
     blocks = window_blocks(window, block_size)
-    inside_QK = (gap_QK >= 0) & (gap_QK < blocks)
-    full_BQK = inside_QK & (gap_QK > 0) & one_doc_BQK
-    partial_BQK = inside_QK & touching_BQK & ~full_BQK
 
     def in_window(q_idx, kv_idx):
         return q_idx // block_size - kv_idx // block_size < blocks
@@ -50,11 +48,9 @@ def mask_with(form: str, ids_BT: Tensor, window: Tensor, block_size: int) -> Blo
         "doc_start_nowin": lambda b, h, q, k: (k <= q) & (k >= start_BT[b, q]),
         "causal_only": lambda b, h, q, k: k <= q,
     }
-    return BlockMask.from_kv_blocks(*_ordered(partial_BQK), *_ordered(full_BQK), BLOCK_SIZE=block_size,
-                                    mask_mod=forms[form])
-
-
-FORMS = ("doc_pair", "doc_start", "doc_start_nowin", "causal_only")
+    lists = block_mask(doc_BT, window, block_size)
+    return BlockMask.from_kv_blocks(lists.kv_num_blocks, lists.kv_indices, lists.full_kv_num_blocks,
+                                    lists.full_kv_indices, BLOCK_SIZE=block_size, mask_mod=forms[form])
 
 
 def main():
