@@ -42,13 +42,13 @@ def mask_with(form: str, ids_BT: Tensor, window: Tensor, block_size: int) -> Blo
     def in_window(q_idx, kv_idx):
         return q_idx // block_size - kv_idx // block_size < blocks
 
+    lists = block_mask(doc_BT, window, block_size)
     forms = {
-        "doc_pair": lambda b, h, q, k: (k <= q) & (doc_BT[b, q] == doc_BT[b, k]) & in_window(q, k),
+        "doc_pair": lists.mask_mod,  # the model's own
         "doc_start": lambda b, h, q, k: (k <= q) & (k >= start_BT[b, q]) & in_window(q, k),
         "doc_start_nowin": lambda b, h, q, k: (k <= q) & (k >= start_BT[b, q]),
         "causal_only": lambda b, h, q, k: k <= q,
     }
-    lists = block_mask(doc_BT, window, block_size)
     return BlockMask.from_kv_blocks(lists.kv_num_blocks, lists.kv_indices, lists.full_kv_num_blocks,
                                     lists.full_kv_indices, BLOCK_SIZE=block_size, mask_mod=forms[form])
 
