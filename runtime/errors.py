@@ -2,13 +2,20 @@
 
 `ValueError` is what the config, data and schedule checks raise for inputs a user got wrong (STYLE.md:
 ValueError for users, assert for our own invariants); `UserError` is for the rest (missing files, devices).
-The entry points run through `exit_on_user_error`, which prints `error: <message>` and exits with status 2.
+The entry points run through `exit_on_user_error`, which prints `error: <message>` and exits with status 2 (under
+torchrun, once per node, not once per process).
 Set SPEEDRUN_TRACEBACK=1 to see the full traceback instead.
 """
 import os
 import sys
+import time
 
 USER_ERROR_EXIT = 2  # argparse's convention for a usage error
+# torchrun starts one process per GPU, and a mistake in the flags fails in all of them alike. The first process of
+# each node reports at once; the others wait this long first. If the first failed too, torchrun has stopped them by
+# then (it polls its workers every 0.1 s, then sends SIGTERM), so the message shows once, not once per GPU. An error
+# that only a later process meets (its device, say) is still printed, this much later.
+LATER_RANKS_WAIT_S = 3.0
 
 
 class UserError(Exception):
@@ -22,5 +29,8 @@ def exit_on_user_error(main, *args, **kwargs):
     except (UserError, ValueError) as e:
         if os.environ.get("SPEEDRUN_TRACEBACK") == "1":
             raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if int(os.environ.get("LOCAL_RANK", "0")) > 0:
+            time.sleep(LATER_RANKS_WAIT_S)
+        sys.stderr.write(f"error: {e}\n")  # one write: two processes' messages never share a line
+        sys.stderr.flush()
         sys.exit(USER_ERROR_EXIT)

@@ -30,6 +30,7 @@ import train_gpt2
 from data.loader import DataExhausted, TrainLoader, ValLoader
 from data.shard import BOS_ID, HEADER_BYTES, ShardError, write_shard
 from runtime import checkpoint
+from runtime import errors
 from runtime.errors import UserError, exit_on_user_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -233,6 +234,31 @@ def test_traceback_on_request(monkeypatch, capsys):
     monkeypatch.setenv("SPEEDRUN_TRACEBACK", "1")
     with pytest.raises(ValueError, match="--x=1 is wrong"):
         exit_on_user_error(main)
+
+
+def test_later_ranks_report_a_moment_later(monkeypatch, capsys):
+    """Under torchrun, a process other than its node's first waits before it reports (so that torchrun, which stops
+    the others once the first fails, shows a shared mistake once), and then still reports its own."""
+    waits = []
+    monkeypatch.setattr(errors.time, "sleep", waits.append)
+
+    def main():
+        raise UserError("device cuda:1 is missing")
+
+    for local_rank, waited in (("0", []), ("1", [errors.LATER_RANKS_WAIT_S])):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with pytest.raises(SystemExit):
+            exit_on_user_error(main)
+        assert waits == waited and capsys.readouterr().err == "error: device cuda:1 is missing\n"
+        waits.clear()
+
+
+def test_a_mistake_in_the_flags_is_reported_once_under_torchrun(tmp_path):
+    """Both processes fail alike; the message shows once (it showed once per process, on one line)."""
+    result = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                  "train_gpt2.py", "--device=cpu", "--batch_size=3", f"--log_dir={tmp_path}"])
+    message = "error: --batch_size=3 must be a positive multiple of --device_batch_size=1 x 2 processes = 2"
+    assert result.returncode != 0 and output(result).count(message) == 1, output(result)
 
 
 # --- the data: a small later shard, bad ids in the validation shard -----------------------------------------
