@@ -95,6 +95,8 @@ class GPT(nn.Module):
 
     Compilation is regional and applied from outside (`compile_regions()` does exactly this):
         model.embed_inputs = torch.compile(model.embed_inputs, dynamic=False, fullgraph=True)
+        model.attention_inputs = torch.compile(model.attention_inputs, dynamic=False, fullgraph=True,
+                                               options={"triton.persistent_reductions": False})
         for block in model.blocks: block.compile(dynamic=False, fullgraph=True)
         model.head.compile(dynamic=False, fullgraph=True)
     All blocks share one signature, (x, x0, v_first, ve, cos, sin, mask), so they share compiled code, one graph per
@@ -145,6 +147,13 @@ class GPT(nn.Module):
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, 2 * self.config.num_layers)
         self.embed_inputs = torch.compile(self.embed_inputs, **kwargs)
+        # Eager, the masks and rotary tables are some 90 small kernels per micro-batch, each shorter than its launch,
+        # and the GPU waited for them one by one; compiled, the step took 6.5 ms less on the H200 (30 steps' train
+        # time, bench/results/README.md, 6639e50). With persistent reductions, which sort rows of up to 512 in one
+        # Triton program, this graph took 110 s to compile cold there; without them 11 s, its sorts aten.sort calls.
+        inductor = kwargs.get("backend", "inductor") == "inductor"
+        options = {"options": {"triton.persistent_reductions": False}} if inductor else {}
+        self.attention_inputs = torch.compile(self.attention_inputs, **kwargs, **options)
         for block in self.blocks:
             block.compile(**kwargs)
         self.head.compile(**kwargs)
@@ -180,8 +189,6 @@ class GPT(nn.Module):
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}: use one of {BACKENDS}")
         window = torch.as_tensor(window, dtype=torch.int64, device=inputs_BT.device)
-        doc_BT = document_ids(inputs_BT, cfg.bos_id)
-        windows = {False: window, True: short_window(window, cfg.block_size)}
         if self.attention_backend == "flex":
             if T % cfg.block_size:
                 raise ValueError(f"sequence length {T} is not a multiple of the attention block size "
@@ -192,11 +199,7 @@ class GPT(nn.Module):
             if inputs_BT.is_cuda and cfg.head_dim < FLEX_MIN_HEAD_DIM:  # else a lowering error deep in inductor
                 raise ValueError(f"head_dim={cfg.head_dim}: FlexAttention's GPU kernels need at least "
                                  f"{FLEX_MIN_HEAD_DIM}; use a larger head_dim")
-            masks = {short: block_mask(doc_BT, w, cfg.block_size) for short, w in windows.items()}
-        else:
-            masks = {short: dense_mask(doc_BT, w, cfg.block_size) for short, w in windows.items()}
-        cos_TP, sin_TP = rotary_tables(T, cfg.head_dim, cfg.rope_base, inputs_BT.device)
-
+        masks, cos_TP, sin_TP = self.attention_inputs(inputs_BT, window)
         x0_BTD, *ves_BTA = self.embed_inputs(inputs_BT)
         # a copy: were x and x0 one tensor, the first block's inputs would alias, and dynamo compiles a graph of
         # its own for aliased inputs (two, for training and validation), which costs more cold-start seconds than
@@ -215,6 +218,16 @@ class GPT(nn.Module):
             if i < num_skips:
                 skips.append(x_BTD)
         return x_BTD
+
+    def attention_inputs(self, inputs_BT: Tensor, window: Tensor) -> tuple[dict, Tensor, Tensor]:
+        """The masks of one micro-batch, {is_short_window: mask} (FlexAttention BlockMasks or SDPA's dense masks),
+        and the rotary tables cos, sin (T, P)."""
+        cfg = self.config
+        doc_BT = document_ids(inputs_BT, cfg.bos_id)
+        windows = {False: window, True: short_window(window, cfg.block_size)}
+        make = block_mask if self.attention_backend == "flex" else dense_mask
+        masks = {short: make(doc_BT, w, cfg.block_size) for short, w in windows.items()}
+        return masks, *rotary_tables(inputs_BT.size(1), cfg.head_dim, cfg.rope_base, inputs_BT.device)
 
     def embed_inputs(self, inputs_BT: Tensor) -> list[Tensor]:
         """[x0 (B, T, D), then each value embedding (B, T, A)] in compute_dtype; x0 is normed."""

@@ -319,14 +319,35 @@ def test_receptive_field_is_how_far_back_an_input_reaches():
         assert torch.equal(output_at(q, q - reach - 1), base)
 
 
+BLOCK_LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+               "full_q_num_blocks", "full_q_indices")
+
+
+def test_compiled_attention_inputs_equal_eager():
+    """compile_regions compiles the masks and rotary tables in one graph (dynamo traces BlockMask.from_kv_blocks and
+    hands back each BlockMask with its mask_mod): the same block lists, the same mask_mod answers, the same tables."""
+    model = tiny_model(backend="flex")
+    inputs, _ = batch()
+    window = torch.tensor(3 * TINY.block_size)
+    eager_masks, *eager_tables = model.attention_inputs(inputs, window)
+    masks, *tables = torch.compile(model.attention_inputs, backend="aot_eager", fullgraph=True)(inputs, window)
+    grid = (torch.arange(2)[:, None, None, None], torch.zeros(1, 1, 1, 1, dtype=torch.int64),
+            torch.arange(T)[:, None], torch.arange(T)[None, :])
+    for short in (False, True):
+        for name in BLOCK_LISTS:
+            assert torch.equal(getattr(masks[short], name), getattr(eager_masks[short], name)), (short, name)
+        assert torch.equal(masks[short].mask_mod(*grid), eager_masks[short].mask_mod(*grid))
+    assert all(torch.equal(a, b) for a, b in zip(tables, eager_tables))
+
+
 @pytest.mark.parametrize("parts, graphs", [
     ({"no_attention_layers": (3,)}, 6),  # the record's patterns: value embedding or not, layer 7 without attention
     ({"no_attention_layers": (3,), "no_mlp_layers": (0, 5), "value_residual": True}, 10),  # five: past the limit 8
 ])
 def test_compiled_regions_compile_one_graph_per_block_pattern(parts, graphs):
     """compile_regions: training and validation together compile one block graph per presence pattern and mode,
-    the embeddings and the head once per mode; no recompile for the first block, whose x starts as x0 (aliased
-    inputs would be a pattern of their own), and none past dynamo's limit (a fullgraph failure)."""
+    the embeddings, the masks and the head once per mode; no recompile for the first block, whose x starts as x0
+    (aliased inputs would be a pattern of their own), and none past dynamo's limit (a fullgraph failure)."""
     config = dataclasses.replace(TINY, num_layers=6, num_value_embeds=2, **parts)
     model = tiny_model(config)
     inputs, targets = batch()
@@ -334,8 +355,8 @@ def test_compiled_regions_compile_one_graph_per_block_pattern(parts, graphs):
         model(inputs, targets, torch.tensor(T)).backward()
         with torch.no_grad():
             model(inputs, targets, torch.tensor(T))
-    blocks = [gm for gm in traced if "block" in gm.code.lower() or "lambdas" in gm.code]
-    assert len(traced) == graphs + 4  # + embeddings and head, each for training and validation
+    blocks = [gm for gm in traced if "lambdas" in gm.code]  # every block mixes x0 in; the masks are "block" too
+    assert len(traced) == graphs + 6  # + embeddings, masks and head, each for training and validation
     assert len(blocks) == graphs
 
 
