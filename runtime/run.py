@@ -95,7 +95,20 @@ def launch_sites(events: list[dict]) -> dict[tuple[tuple[str, ...], str], list]:
     torch.profiler Chrome trace.
 
     The kernel table says which kernels took the time; this says which code queued them, so that eager glue,
-    memsets and copies can be traced to an aten op, an autograd node or a compiled graph. A GPU event carries the
+    memsets and copies can be traced to an aten op, an autograd node or a compiled graph."""
+    path_of = launch_paths(events)
+    sites = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") in GPU_WORK and "dur" in e:
+            path = path_of.get(e.get("args", {}).get("correlation"), ("(launch not traced)",))
+            site = sites[path, e["name"]]
+            site[0] += 1
+            site[1] += e["dur"] / 1e3
+    return dict(sites)
+
+
+def launch_paths(events: list[dict]) -> dict[int, tuple[str, ...]]:
+    """{correlation id of a launch: names of the CPU ops open at it, outermost first}. A GPU event carries the
     correlation id of the runtime call that launched it; the CPU ops open on that call's thread at that moment
     enclose it (the autograd engine runs the backward on threads of its own)."""
     by_thread = defaultdict(list)  # (pid, tid) -> [(ts, kind, -dur, event)]: ops sort before the launches they enclose
@@ -114,14 +127,7 @@ def launch_sites(events: list[dict]) -> dict[tuple[tuple[str, ...], str], list]:
                 path_of[e["args"]["correlation"]] = tuple(op["name"] for op in stack) or ("(no CPU op)",)
             else:
                 stack.append(e)
-    sites = defaultdict(lambda: [0, 0.0])
-    for e in events:
-        if e.get("cat") in GPU_WORK and "dur" in e:
-            path = path_of.get(e.get("args", {}).get("correlation"), ("(launch not traced)",))
-            site = sites[path, e["name"]]
-            site[0] += 1
-            site[1] += e["dur"] / 1e3
-    return dict(sites)
+    return path_of
 
 
 COMPILED_GRAPH = "## Call CompiledFxGraph"  # the record_function range inductor opens around a compiled graph's call

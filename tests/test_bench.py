@@ -1,5 +1,5 @@
 """bench/run.py: how per-step times and the validation context come out of a run's log, and the guard on too few
-timed steps."""
+timed steps; bench/gaps.py's sums on a small trace."""
 import glob
 import json
 import os
@@ -78,3 +78,26 @@ def test_speedrun_on_the_cpu_writes_its_rows_and_keeps_the_run_folder(tmp_path):
     assert result["val_rows"][0]["val_loss"] > result["val_rows"][-1]["val_loss"] > 0
     (run_folder,) = keep.iterdir()
     assert {"log.txt", "metrics.jsonl"} <= {p.name for p in run_folder.iterdir()}
+
+
+def test_gaps_sums_the_idle_gpu_by_the_launch_after_it(tmp_path, monkeypatch, capsys):
+    """bench/gaps.py on a two-kernel trace: one 50 us gap, before the kernel that aten::add launched 5 us before it
+    started (the GPU waited for that launch)."""
+    from bench import gaps
+
+    def launch(ts, corr):
+        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "pid": 1, "tid": 1,
+                "args": {"correlation": corr}}
+
+    events = [{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 10, "pid": 1, "tid": 1}, launch(5, 1),
+              {"cat": "cpu_op", "name": "aten::add", "ts": 100, "dur": 10, "pid": 1, "tid": 1}, launch(105, 2),
+              {"cat": "kernel", "name": "gemm", "ts": 10, "dur": 50, "args": {"correlation": 1}},
+              {"cat": "kernel", "name": "add", "ts": 110, "dur": 5, "args": {"correlation": 2}}]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    monkeypatch.setattr(sys, "argv", ["gaps", str(trace)])
+    gaps.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "span 0.1 ms, gaps > 2 us: 1, 0.05 ms"
+    assert "  gaps below 100 us: 1 totalling 0.05 ms" in lines
+    assert lines[-1] == "   0.05     1      5.0 | aten::add | add | gemm"
