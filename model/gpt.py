@@ -151,9 +151,10 @@ class GPT(nn.Module):
         # and the GPU waited for them one by one; compiled, the step took 6.5 ms less on the H200 (30 steps' train
         # time, bench/results/README.md, 6639e50). With persistent reductions, which sort rows of up to 512 in one
         # Triton program, this graph took 110 s to compile cold there; without them 11 s, its sorts aten.sort calls.
-        inductor = kwargs.get("backend", "inductor") == "inductor"
-        options = {"options": {"triton.persistent_reductions": False}} if inductor else {}
-        self.attention_inputs = torch.compile(self.attention_inputs, **kwargs, **options)
+        mask_kwargs = kwargs
+        if kwargs.get("backend", "inductor") == "inductor" and "mode" not in kwargs:  # options exclude a mode
+            mask_kwargs = kwargs | {"options": kwargs.get("options", {}) | {"triton.persistent_reductions": False}}
+        self.attention_inputs = torch.compile(self.attention_inputs, **mask_kwargs)
         for block in self.blocks:
             block.compile(**kwargs)
         self.head.compile(**kwargs)
