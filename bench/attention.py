@@ -36,6 +36,15 @@ def tokens(shard: str | None) -> torch.Tensor:
     return torch.from_numpy(ids)
 
 
+def document_seqlens(ids_T: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens int32, longest document) of a token row, for flash's varlen kernels: each BOS opens a document,
+    and tokens before the first one are a document of their own."""
+    starts = torch.nonzero(ids_T == BOS_ID).flatten()
+    starts = starts[starts > 0]
+    cu_seqlens = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), ids_T.numel())]).to(torch.int32)
+    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
 def flex_problem(windows: dict, shard: str | None) -> tuple[list[torch.Tensor], dict]:
     """For the FlexAttention benches (bench/flex_options.py, bench/flex_rule.py): q, k, v (leaves) and an output
     gradient, (1, H, T, d) views of (1, T, H, d) storage as the model's blocks pass them, bf16, seeded; and the
@@ -64,10 +73,7 @@ def main():
 
     ids_T = tokens(args.shard).cuda()
     doc_1T = document_ids(ids_T[None], BOS_ID)
-    starts = torch.nonzero(ids_T == BOS_ID).flatten()
-    starts = starts[starts > 0]
-    cu_seqlens = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), T)]).to(torch.int32)
-    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    cu_seqlens, max_len = document_seqlens(ids_T)
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(T, H, D_HEAD, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))

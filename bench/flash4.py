@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from bench.attention import BLOCK, SCALE, flex_problem, tokens
+from bench.attention import BLOCK, SCALE, document_seqlens, flex_problem, tokens
 from bench.flex_rule import LONG_WINDOW, REPEATS, token_window_mask
 from bench.timing import cuda_times_ms
 from data.shard import BOS_ID
@@ -60,10 +60,7 @@ def main():
 
     ids_T = tokens(args.shard).cuda()
     doc_1T = document_ids(ids_T[None], BOS_ID)
-    starts = torch.nonzero(ids_T == BOS_ID).flatten()
-    starts = starts[starts > 0]
-    cu_seqlens = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), ids_T.numel())]).to(torch.int32)
-    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    cu_seqlens, max_len = document_seqlens(ids_T)
     long = torch.tensor(LONG_WINDOW, device="cuda")
     windows = {"long": long, "short": short_window(long, BLOCK)}
     (q, k, v, grad), result = flex_problem(windows, args.shard)
