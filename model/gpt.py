@@ -7,11 +7,12 @@ P = d // 2 rotary pairs.
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.attention import block_mask, dense_mask, document_ids, short_window, window_blocks
 from model.head import Head
-from model.layers import Block, SkipAdd, norm, rotary_tables
+from model.layers import Block, FanOut, SkipAdd, TableRows, add_all, norm, rotary_tables
 
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("flex", "sdpa")
@@ -99,6 +100,7 @@ class GPT(nn.Module):
                                                options={"triton.persistent_reductions": False})
         for block in model.blocks: block.compile(dynamic=False, fullgraph=True)
         model.head.compile(dynamic=False, fullgraph=True)
+        model.add_gradients = torch.compile(model.add_gradients, dynamic=False, fullgraph=True)
     All blocks share one signature, (x, x0, v_first, ve, cos, sin, mask), so they share compiled code, one graph per
     presence pattern; every per-step value (the window) reaches them as a tensor, so schedules never recompile.
     """
@@ -108,6 +110,7 @@ class GPT(nn.Module):
         self.config = config
         self.attention_backend = "flex"
         self.compute_dtype = torch.bfloat16
+        self.add_gradients = add_all  # sums x0's gradients (layers.FanOut); compile_regions compiles it
         D, V, L = config.model_dim, config.vocab_size, config.num_layers
         attn_dim = config.num_heads * config.head_dim
         # _weight=empty: skip nn.Embedding's own random init, so construction neither costs time nor draws from
@@ -158,6 +161,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             block.compile(**kwargs)
         self.head.compile(**kwargs)
+        self.add_gradients = torch.compile(self.add_gradients, **kwargs)  # one kernel reads all, writes the sum once
 
     def param_groups(self) -> list[dict]:
         """Parameters tagged for the optimizer, chosen by module structure: Muon for every matrix inside the
@@ -202,18 +206,22 @@ class GPT(nn.Module):
                                  f"{FLEX_MIN_HEAD_DIM}; use a larger head_dim")
         masks, cos_TP, sin_TP = self.attention_inputs(inputs_BT, window)
         x0_BTD, *ves_BTA = self.embed_inputs(inputs_BT)
+        ves_BTA = [TableRows.apply(ve_BTA, emb.weight, inputs_BT) for ve_BTA, emb in zip(ves_BTA, self.value_embeds)]
+        L, num_skips = cfg.num_layers, cfg.num_layers // 2
+        # every block reads x0, and so does the stream's start: one view each, their gradients summed in one pass
+        *x0s_BTD, x_BTD = FanOut.apply(x0_BTD, L + 1, self.add_gradients)
         # a copy: were x and x0 one tensor, the first block's inputs would alias, and dynamo compiles a graph of
         # its own for aliased inputs (two, for training and validation), which costs more cold-start seconds than
         # the copy (one read and one write of x0 per micro-step, about 0.3 ms per step by bandwidth) ever will
-        x_BTD = x0_BTD.clone()
-        L, num_skips = cfg.num_layers, cfg.num_layers // 2
+        x_BTD = x_BTD.clone()
         skips, v_first_BTHd = [], None
         for i, block in enumerate(self.blocks):
             if i >= L - num_skips:  # second half: add the mirrored first-half output (U-net)
                 x_BTD = SkipAdd.apply(x_BTD, skips.pop(), self.skip_weights[i - (L - num_skips)])
             ve_index = cfg.value_embed_index(i)
             ve_BTA = None if ve_index is None else ves_BTA[ve_index]
-            x_BTD, v_BTHd = block(x_BTD, x0_BTD, v_first_BTHd, ve_BTA, cos_TP, sin_TP, masks[cfg.is_short_window(i)])
+            mask = masks[cfg.is_short_window(i)]
+            x_BTD, v_BTHd = block(x_BTD, x0s_BTD[i], v_first_BTHd, ve_BTA, cos_TP, sin_TP, mask)
             if v_BTHd is not None:  # block 0's values, with the value residual on
                 v_first_BTHd = v_BTHd
             if i < num_skips:
@@ -231,9 +239,10 @@ class GPT(nn.Module):
         return masks, *rotary_tables(inputs_BT.size(1), cfg.head_dim, cfg.rope_base, inputs_BT.device)
 
     def embed_inputs(self, inputs_BT: Tensor) -> list[Tensor]:
-        """[x0 (B, T, D), then each value embedding (B, T, A)] in compute_dtype; x0 is normed."""
+        """[x0 (B, T, D), then each value embedding (B, T, A)] in compute_dtype; x0 is normed. The value embeddings'
+        rows are looked up detached: TableRows gives them their gradient (hidden_states)."""
         return [norm(self.embed(inputs_BT).to(self.compute_dtype)),
-                *(emb(inputs_BT).to(self.compute_dtype) for emb in self.value_embeds)]
+                *(F.embedding(inputs_BT, emb.weight.detach()).to(self.compute_dtype) for emb in self.value_embeds)]
 
     def logits(self, inputs_BT: Tensor, window: Tensor) -> Tensor:
         """Capped fp32 logits (B, T, V), for sampling, evaluation and tests."""

@@ -1,6 +1,7 @@
 """Transformer pieces: parameter-free RMSNorm, half-truncated rotary embeddings, attention, ReLU² MLP, the U-net
 skip, the block. On CUDA four of them run Triton kernels through autograd.Functions (MixNorm, QKVPrep, ReLU2MLP,
-SkipAdd); elsewhere the torch ops beside each.
+SkipAdd); elsewhere the torch ops beside each. Two more Functions only route gradients: FanOut (one tensor, many
+readers) and TableRows (embedding rows whose gradient goes straight into the table's).
 
 Weights are fp32 master copies, cast to the activation dtype where they are used (`.type_as(x)`), so the
 optimizer always updates fp32 while the matmuls run in bf16. Construction only declares shapes (`torch.empty`);
@@ -20,9 +21,9 @@ from torch.nn.attention.flex_attention import BlockMask
 from model.attention import attend
 
 try:  # the CUDA path's Triton kernels; CPU-only installs (CI) lack triton and run the torch ops below
-    from model import mlp_kernels, norm_kernels, qkv_kernels, skip_kernels
+    from model import embed_kernels, mlp_kernels, norm_kernels, qkv_kernels, skip_kernels
 except ImportError:
-    mlp_kernels = norm_kernels = qkv_kernels = skip_kernels = None
+    embed_kernels = mlp_kernels = norm_kernels = qkv_kernels = skip_kernels = None
 
 
 GATE_FRACTION = 64  # the attention gate reads the first D / 64 channels (record #28's dampen_factor)
@@ -247,6 +248,64 @@ class SkipAdd(torch.autograd.Function):
         else:
             grad_s, grad_w = w.type_as(grad) * grad, (grad * s).sum().to(w.dtype)
         return grad, grad_s, grad_w
+
+
+def add_all(tensors: list[Tensor]) -> Tensor:
+    """The sum of same-shaped tensors: FanOut's backward (compiled by GPT.compile_regions into one kernel)."""
+    total = tensors[0]
+    for t in tensors[1:]:
+        total = total + t
+    return total
+
+
+class FanOut(torch.autograd.Function):
+    """n views of one tensor, one per reader, whose n gradients the backward sums in one call of `add` (a list of
+    tensors -> their sum).
+
+    Autograd sums the gradients of a tensor with n readers pairwise as they arrive: n - 1 adds, each reading two
+    tensors and writing one. Compiled, `add` reads all n and writes one. For x0, read by all 12 blocks and the
+    stream's start (13 readers), autograd's adds took 12 x 52 us per micro-batch on the H200
+    (bench/results/profile_step28_1xH200_13c9405.txt). The price: the n gradients wait in memory until the last."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, n: int, add) -> tuple[Tensor, ...]:
+        ctx.add = add
+        ctx.set_materialize_grads(False)  # a reader outside the graph sends None, not a tensor of zeros
+        return tuple(t.view_as(t) for _ in range(n))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None):
+        present = [g for g in grads if g is not None]
+        return ctx.add(present) if present else None, None, None
+
+
+def add_rows(out_VA: Tensor, ids_N: Tensor, grad_NA: Tensor) -> None:
+    """out[ids[n]] += grad[n] in place, by torch ops: TableRows' path off CUDA and the reference of
+    model/embed_kernels.py's kernel of the same name."""
+    out_VA.index_add_(0, ids_N.long(), grad_NA.to(out_VA.dtype))
+
+
+class TableRows(torch.autograd.Function):
+    """Rows of an embedding `table` at `ids`, looked up outside autograd (detached, in any dtype), as a tensor whose
+    gradient the backward adds straight into table.grad (made as zeros when it is None); nothing else is returned
+    to autograd for the table, so it never makes a table-sized gradient per micro-batch (model/embed_kernels.py
+    says what that cost). The table must have no other path to the loss: that one would be overwritten or lost."""
+
+    @staticmethod
+    def forward(ctx, rows_BTA: Tensor, table_VA: Tensor, ids_BT: Tensor) -> Tensor:
+        ctx.table = table_VA
+        ctx.save_for_backward(ids_BT)
+        return rows_BTA.view_as(rows_BTA)
+
+    @staticmethod
+    def backward(ctx, grad_BTA: Tensor):
+        (ids_BT,), table = ctx.saved_tensors, ctx.table
+        if table.grad is None:
+            table.grad = torch.zeros_like(table)
+        on_kernels = grad_BTA.is_cuda and embed_kernels is not None
+        (embed_kernels.add_rows if on_kernels else add_rows)(table.grad, ids_BT.flatten(),
+                                                              grad_BTA.flatten(0, -2).contiguous())
+        return None, None, None
 
 
 class Block(nn.Module):

@@ -8,11 +8,14 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from model import gpt as gpt_module
 from model.attention import short_window
 from helpers import recorded_compile
 from model.gpt import GPT, GPTConfig, flops_per_token, mean_context, receptive_field
+from model.layers import add_all
 
 BOS = 0
 TINY = GPTConfig(vocab_size=256, num_layers=4, model_dim=64, num_heads=2, head_dim=32, num_value_embeds=1,
@@ -346,7 +349,7 @@ def test_compiled_attention_inputs_equal_eager():
 ])
 def test_compiled_regions_compile_one_graph_per_block_pattern(parts, graphs):
     """compile_regions: training and validation together compile one block graph per presence pattern and mode,
-    the embeddings, the masks and the head once per mode; no recompile for the first block, whose x starts as x0
+    the embeddings, the masks and the head once per mode, x0's gradient sum once; no recompile for the first block, whose x starts as x0
     (aliased inputs would be a pattern of their own), and none past dynamo's limit (a fullgraph failure)."""
     config = dataclasses.replace(TINY, num_layers=6, num_value_embeds=2, **parts)
     model = tiny_model(config)
@@ -356,7 +359,8 @@ def test_compiled_regions_compile_one_graph_per_block_pattern(parts, graphs):
         with torch.no_grad():
             model(inputs, targets, torch.tensor(T))
     blocks = [gm for gm in traced if "lambdas" in gm.code]  # every block mixes x0 in; the masks are "block" too
-    assert len(traced) == graphs + 6  # + embeddings, masks and head, each for training and validation
+    # + embeddings, masks and head, each for training and validation, and x0's gradient sum (training only)
+    assert len(traced) == graphs + 7
     assert len(blocks) == graphs
 
 
@@ -382,6 +386,7 @@ def test_compiled_backward_fills_no_zero_gradient_for_unread_outputs(value_resid
     config = dataclasses.replace(TINY, value_residual=value_residual)
     model = tiny_model(config, random=True)  # random output projections: the values' weights get a gradient
     model.compile_regions(backend="aot_eager")  # aot_autograd's runtime fills the zeros, whatever the backend
+    model.add_gradients = add_all  # dynamo runs nothing under a dispatch mode (ZeroFills); this makes no zeros
     inputs, targets = batch()
     model(inputs, targets, torch.tensor(64)).backward()  # compiles outside the recording
     loss = model(inputs, targets, torch.tensor(64))
@@ -390,3 +395,42 @@ def test_compiled_backward_fills_no_zero_gradient_for_unread_outputs(value_resid
     assert [shape for shape in fills.shapes if len(shape) > 0] == []  # scalar zeros are the only ones left
     first_value_weights = [block.attn.value_lambdas.grad[1].item() for block in model.blocks[1:]]
     assert all((w != 0) == value_residual for w in first_value_weights), first_value_weights
+
+
+class PlainRows:
+    """TableRows' reference: the rows looked up again, through autograd."""
+
+    @staticmethod
+    def apply(rows_BTA, table_VA, ids_BT):
+        return F.embedding(ids_BT, table_VA).to(rows_BTA.dtype)
+
+
+class PlainFanOut:
+    """FanOut's reference: every reader gets the tensor itself, and autograd sums the gradients."""
+
+    @staticmethod
+    def apply(t, n, add):
+        return (t,) * n
+
+
+def test_routed_gradients_equal_plain_autograd(monkeypatch):
+    """TableRows (value embeddings' gradients added into the tables' .grad) and FanOut (x0's gradients summed in one
+    call) only route gradients: over two micro-batches, each parameter's accumulated gradient equals plain
+    autograd's, where the blocks read x0 itself and the value embeddings are looked up through autograd."""
+    model = tiny_model(dataclasses.replace(TINY, num_value_embeds=2), random=True)
+    micro_batches = [batch(seed=0), batch(seed=1)]
+
+    def accumulated_grads():
+        model.zero_grad(set_to_none=True)
+        for inputs, targets in micro_batches:
+            model(inputs, targets, torch.tensor(T)).backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    routed = accumulated_grads()
+    monkeypatch.setattr(gpt_module, "TableRows", PlainRows)
+    monkeypatch.setattr(gpt_module, "FanOut", PlainFanOut)
+    plain = accumulated_grads()
+    assert routed.keys() == plain.keys()
+    for name, grad in plain.items():
+        torch.testing.assert_close(routed[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert all(emb.weight.grad.abs().sum() > 0 for emb in model.value_embeds)
