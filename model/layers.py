@@ -270,7 +270,7 @@ class FanOut(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: Tensor, n: int, add) -> tuple[Tensor, ...]:
         ctx.add = add
-        ctx.set_materialize_grads(False)  # a reader outside the graph sends None, not a tensor of zeros
+        ctx.set_materialize_grads(False)  # a view that the loss does not depend on sends None, not zeros
         return tuple(t.view_as(t) for _ in range(n))
 
     @staticmethod
@@ -289,7 +289,8 @@ class TableRows(torch.autograd.Function):
     """Rows of an embedding `table` at `ids`, looked up outside autograd (detached, in any dtype), as a tensor whose
     gradient the backward adds straight into table.grad (made as zeros when it is None); nothing else is returned
     to autograd for the table, so it never makes a table-sized gradient per micro-batch (model/embed_kernels.py
-    says what that cost). The table must have no other path to the loss: that one would be overwritten or lost."""
+    says what that cost). So the gradient shows only in table.grad: to torch.autograd.grad(loss, table) the table
+    looks unused (and the backward adds into table.grad all the same), and the table's gradient hooks do not run."""
 
     @staticmethod
     def forward(ctx, rows_BTA: Tensor, table_VA: Tensor, ids_BT: Tensor) -> Tensor:

@@ -1,5 +1,6 @@
 """HellaSwag scoring: mean ending losses against hand computations, accuracy of models with known answers,
 two ranks against one, and the data checks (never the network)."""
+import copy
 import dataclasses
 import io
 import json
@@ -103,7 +104,7 @@ def test_ending_losses_match_unpadded_logits(device):
     model = random_model()
     scored = model
     if device == "cuda":
-        scored = random_model().to(device)
+        scored = copy.deepcopy(model).to(device)
         use_device_paths(scored, torch.device(device))
         scored.compute_dtype = torch.bfloat16
     long_context = [BOS_ID] + enc.encode_ordinary("The quick brown fox jumps over the lazy dog. " * 14)
