@@ -349,8 +349,9 @@ def test_compiled_attention_inputs_equal_eager():
 ])
 def test_compiled_regions_compile_one_graph_per_block_pattern(parts, graphs):
     """compile_regions: training and validation together compile one block graph per presence pattern and mode,
-    the embeddings, the masks and the head once per mode, x0's gradient sum once; no recompile for the first block, whose x starts as x0
-    (aliased inputs would be a pattern of their own), and none past dynamo's limit (a fullgraph failure)."""
+    the embeddings, the masks and the head once per mode, x0's gradient sum once; no recompile for the first block,
+    whose x starts as x0 (aliased inputs would be a pattern of their own), and none past dynamo's limit (a
+    fullgraph failure)."""
     config = dataclasses.replace(TINY, num_layers=6, num_value_embeds=2, **parts)
     model = tiny_model(config)
     inputs, targets = batch()
