@@ -30,3 +30,24 @@ def median_ms(fn) -> float:
 def cuda_bf16_randn(*shape) -> torch.Tensor:
     """Standard normal bf16 on the GPU from the default generator (the kernel benches seed it first)."""
     return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+
+def graph_ms(fn, replays: int = 20) -> float:
+    """GPU milliseconds of one call of fn, captured in a CUDA graph: the median over 5 timings of `replays` replays,
+    after one untimed timing. Without the host's launch work, which an eager call of a kernel that builds its TMA
+    descriptors in Python (model/mlp_kernels.py) would time as well."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    return round(statistics.median(times[1:]), 4)

@@ -1,7 +1,8 @@
 """Transformer pieces: parameter-free RMSNorm, half-truncated rotary embeddings, attention, ReLU² MLP, the U-net
 skip, the block. On CUDA four of them run Triton kernels through autograd.Functions (MixNorm, QKVPrep, ReLU2MLP,
-SkipAdd); elsewhere the torch ops beside each. Two more Functions only route gradients: FanOut (one tensor, many
-readers) and TableRows (embedding rows whose gradient goes straight into the table's).
+SkipAdd; ReLU2MLP's are Gluon kernels, Hopper only); elsewhere the torch ops beside each. Two more Functions only
+route gradients: FanOut (one tensor, many readers) and TableRows (embedding rows whose gradient goes straight into
+the table's).
 
 Weights are fp32 master copies, cast to the activation dtype where they are used (`.type_as(x)`), so the
 optimizer always updates fp32 while the matmuls run in bf16. Construction only declares shapes (`torch.empty`);
@@ -184,13 +185,13 @@ def relu2_matmul_grad(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor) -> Tensor:
 
 class ReLU2MLP(torch.autograd.Function):
     """y = relu(x @ W1)^2 @ W2^T for x (M, D) and W1, W2 (D, F) in x's dtype, keeping only x, the weights and the
-    hidden h = relu(x @ W1)^2 for backward. On CUDA the two products that make or use the (M, F) hidden tensor run
-    in the Triton kernels of model/mlp_kernels.py, with the ReLU² in their epilogues; elsewhere in the torch ops
-    above (same names, same results)."""
+    hidden h = relu(x @ W1)^2 for backward. On Hopper GPUs the two products that make or use the (M, F) hidden
+    tensor run in the Gluon kernels of model/mlp_kernels.py, with the ReLU² in their epilogues; elsewhere in the
+    torch ops above (same names, same results)."""
 
     @staticmethod
     def forward(ctx, x_MD: Tensor, fc_DF: Tensor, proj_DF: Tensor) -> Tensor:
-        on_kernels = x_MD.is_cuda and mlp_kernels is not None and mlp_kernels.supports(x_MD, fc_DF)
+        on_kernels = mlp_kernels is not None and mlp_kernels.supports(x_MD, fc_DF)
         h_MF = (mlp_kernels.relu2_matmul if on_kernels else relu2_matmul)(x_MD, fc_DF)
         ctx.save_for_backward(x_MD, fc_DF, proj_DF, h_MF)
         ctx.on_kernels = on_kernels
