@@ -13,11 +13,12 @@ pre-activation itself that the torch ops saved.
 
 Why Gluon (Triton's lower-level dialect, where the kernel places its own asynchronous copies and barriers) and not
 plain Triton: the backward must read an h tile in every epilogue. In Triton that load waited in the epilogue while
-the tensor cores idled, and the backward took 0.457 ms against the forward's 0.339; loading h before the products
+the tensor cores idled, and the backward took 0.463 ms against the forward's 0.349; loading h before the products
 only held it in registers (spills, up to 41 ms; bench/results/mlp_variants_1xH200.json). Here each program asks for
 its next tile's h by TMA as soon as it has read the current one, so h arrives during the next tile's products:
-0.399 ms, the forward 0.337 ms against cuBLAS's bare product at 0.318 (bench/results/mlp_gluon_1xH200.json, CUDA
-graphs, 8 configurations).
+0.397 ms, the forward 0.348 ms, against cuBLAS's bare product at 0.327 (bench/results/mlp_gluon_1xH200.json, CUDA
+graphs, 8 configurations). Both directions give the Triton kernels' bits exactly, and the step took 8.1 and 8.6 ms
+less in two same-machine pairs (bench/results/README.md).
 
 The loop: one persistent program per SM walks its output tiles, M-tiles outermost, so the programs at work at any
 moment share a few strips of A while B (768 x 3,072 in bf16: 4.7 MB) stays in L2. A and B arrive by TMA into a ring
