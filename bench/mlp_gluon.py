@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from bench.mlp_kernels import tflops, training_problem
+from bench.mlp_kernels import checked_row, training_problem
 from bench.mlp_variants import run_desc
 from bench.timing import graph_ms
 from model import layers, mlp_kernels
@@ -40,14 +40,8 @@ def main():
     for config in CONFIGS:
         row = {"config": config}
         for side in ("forward", "backward"):
-            def call(c=config, s=side):
-                return mlp_kernels.launch(*operands[s], c)
-            try:
-                err = ((call().float() - want[side]).abs().max() / want[side].abs().max()).item()
-                ms = graph_ms(call)
-            except Exception as e:
-                err, ms = f"{type(e).__name__}: {' '.join(str(e).split())[-300:]}", "not run"
-            row |= {f"{side}_max_err_of_max": err, f"{side}_ms": ms, f"{side}_tflops": tflops(ms)}
+            row |= checked_row(side, lambda c=config, s=side: mlp_kernels.launch(*operands[s], c), want[side],
+                               graph_ms)
         result["configs"].append(row)
         print(row, flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -26,6 +26,18 @@ def tflops(ms: float | str) -> float | str:
     return round(2 * M * D * HIDDEN / (ms * 1e-3) / 1e12, 1) if isinstance(ms, float) else ms
 
 
+def checked_row(side: str, call, want, timer) -> dict:
+    """One side of a kernel sweep's row: call()'s largest error relative to want's largest value, then its time by
+    timer, and the throughput. Where the call fails (a tile too large for the SM, say) the error message stands in
+    for the error and the time reads "not run": a failed configuration is a result too, and the sweep goes on."""
+    try:
+        err = ((call().float() - want).abs().max() / want.abs().max()).item()
+        ms = timer(call)
+    except Exception as e:
+        err, ms = f"{type(e).__name__}: {' '.join(str(e).split())[-300:]}", "not run"
+    return {f"{side}_max_err_of_max": err, f"{side}_ms": ms, f"{side}_tflops": tflops(ms)}
+
+
 def plain_mlp(x, w1, w2):
     """The MLP as model/layers.py wrote it before ReLU2MLP: autograd and inductor through torch ops."""
     return F.relu(x @ w1).square() @ w2.t()

@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bench.head_kernels import attempt
-from bench.mlp_kernels import tflops, training_problem
+from bench.mlp_kernels import checked_row, training_problem
 from model import layers
 
 
@@ -134,14 +134,8 @@ def main():
               "cublas_product_ms": attempt(lambda: x @ w1), "variants": []}
     for name, fn in variants:
         row = {"variant": name}
-        for side, call, want in (("forward", lambda: fn(x, w1, None), want_h),
-                                 ("backward", lambda: fn(grad_y, w2, h), want_g)):
-            try:
-                err = ((call().float() - want).abs().max() / want.abs().max()).item()
-            except Exception as e:
-                err = f"{type(e).__name__}: {' '.join(str(e).split())[-300:]}"
-            ms = attempt(call) if isinstance(err, float) else "not run"
-            row |= {f"{side}_max_err_of_max": err, f"{side}_ms": ms, f"{side}_tflops": tflops(ms)}
+        row |= checked_row("forward", lambda: fn(x, w1, None), want_h, attempt)
+        row |= checked_row("backward", lambda: fn(grad_y, w2, h), want_g, attempt)
         result["variants"].append(row)
         print(row, flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
