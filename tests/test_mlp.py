@@ -13,6 +13,9 @@ from helpers import output_and_grads as grads
 from model import layers
 
 gpu = pytest.mark.gpu
+# the kernels' own tests; elsewhere ReLU2MLP runs the torch ops (model.mlp_kernels.supports)
+hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                            reason="the Gluon kernels need a Hopper GPU (compute capability 9)")
 
 
 def operands(m, k, n, dtype, device, seed=0):
@@ -84,6 +87,7 @@ def check_kernels(m, k, n, device, rtol):
 
 
 @gpu
+@hopper
 @pytest.mark.parametrize("m, k, n", [(49152, 768, 3072), (300, 72, 520), (4100, 72, 1032)])
 def test_kernels_on_gpu(m, k, n):
     """The record's MLP (49,152 tokens: about 70 tiles per program) and sizes off every tile: 300 = 2 x 128 + 44
@@ -104,6 +108,7 @@ def test_function_on_gpu_matches_autograd():
 
 
 @gpu
+@hopper
 def test_compiled_function_calls_the_kernels_without_copies():
     """Under torch.compile the Function's forward and backward call the two kernels' custom ops, each once, and
     launch no Triton kernel besides (no copy or cast of their operands); the compiled results equal the eager ones."""
