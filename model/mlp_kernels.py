@@ -51,12 +51,13 @@ CONFIG = (128, 128, 64, 5, 4)
 
 @gluon.jit
 def _issue_loads(a_desc, b_desc, a_bufs, b_bufs, ready, i, total, start, step, tiles_n, KSTEPS: gl.constexpr,
-                 STAGES: gl.constexpr):
+                 STAGES: gl.constexpr, B_K_CONTIGUOUS: gl.constexpr = False):
     """The TMA loads of this program's k-step i (its tile i // KSTEPS, k-step i % KSTEPS) into ring slot
-    i % STAGES; none past its last k-step."""
+    i % STAGES; none past its last k-step. B is (K, N), or (N, K) with B_K_CONTIGUOUS (a weight stored as
+    nn.Linear's, which the products read transposed in shared memory)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0 if B_K_CONTIGUOUS else 1]
     tile = start + (i // KSTEPS) * step
     k = (i % KSTEPS) * BLOCK_K
     slot = i % STAGES
@@ -64,7 +65,10 @@ def _issue_loads(a_desc, b_desc, a_bufs, b_bufs, ready, i, total, start, step, t
     bar = ready.index(slot)
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(a_desc, [(tile // tiles_n) * BLOCK_M, k], bar, a_bufs.index(slot), pred)
-    tma.async_copy_global_to_shared(b_desc, [k, (tile % tiles_n) * BLOCK_N], bar, b_bufs.index(slot), pred)
+    if B_K_CONTIGUOUS:
+        tma.async_copy_global_to_shared(b_desc, [(tile % tiles_n) * BLOCK_N, k], bar, b_bufs.index(slot), pred)
+    else:
+        tma.async_copy_global_to_shared(b_desc, [k, (tile % tiles_n) * BLOCK_N], bar, b_bufs.index(slot), pred)
 
 
 @gluon.jit
@@ -75,6 +79,18 @@ def _issue_h(h_desc, h_smem, h_bar, tile, tiles_n, pred):
     mbarrier.expect(h_bar, h_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(h_desc, [(tile // tiles_n) * BLOCK_M, (tile % tiles_n) * BLOCK_N], h_bar, h_smem,
                                     pred)
+
+
+@gluon.jit
+def _ring(a_desc, b_desc, STAGES: gl.constexpr):
+    """The operands' ring in shared memory: STAGES slots of an A and a B tile, and each slot's barrier, which
+    completes when both of its TMA loads have landed."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    return a_bufs, b_bufs, ready
 
 
 @gluon.jit
@@ -93,12 +109,8 @@ def _relu2_matmul_kernel(a_desc, b_desc, out_desc, h_desc, ACC_LAYOUT: gl.conste
     my_tiles = gl.cdiv(tiles - start, step)
     total = my_tiles * KSTEPS
 
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    a_bufs, b_bufs, ready = _ring(a_desc, b_desc, STAGES)
     out_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
     if BACKWARD:
         h_smem = gl.allocate_shared_memory(dtype, h_desc.block_type.shape, h_desc.layout)
         h_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
