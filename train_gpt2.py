@@ -85,9 +85,10 @@ class TrainConfig:
     log_dir: str = "logs"  # each run writes log.txt, metrics.jsonl and checkpoints into a new folder here
     seed: int = 0  # seeds the initial weights
     compile: bool = True  # torch.compile the transformer blocks and the loss (1/0)
-    # The first step compiles every training graph. With 3 warm-up steps, the timed steps of a strictly cold run on
-    # the H200 compiled nothing (each as fast as after the records' 10), and the warm-up took 3.1 s (warm caches)
-    # and 8.7 s (strictly cold) less than with 10 in two same-machine pairs (bench/results/README.md)
+    # The first step compiles every training graph. With 3 warm-up steps, the timed steps of strictly cold runs on
+    # the H200 compiled nothing (each as fast as after the records' 10), and the warm-up took 2.6 and 8.7 s less
+    # (strictly cold) and 3.1 s less (warm caches) than with 10, in three same-machine pairs
+    # (bench/results/README.md)
     warmup_steps: int = 3  # untimed steps that compile and warm up, then the initial state is restored
     profile_step: int = 0  # if > 0, trace this step with torch.profiler: kernel table + trace in the run folder
     device: str = "auto"  # auto, cuda or cpu

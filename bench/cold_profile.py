@@ -1,0 +1,86 @@
+"""Where a cold start's seconds go, from a py-spy recording of a bench.run throughput run (speedscope format).
+
+    py-spy record --nonblocking --idle --threads --subprocesses -r 50 -f speedscope -o cold.json -- \\
+        python -m bench.run throughput --data /tmp/proxy --out X.json --steps 27
+    python -m bench.cold_profile cold.json > bench/results/cold_profile_1xH200_<commit>.txt
+
+py-spy is not a dependency: its wheel holds one static binary, carried to the GPU machine. For the training
+process's main thread and its autograd thread (which runs the backward, and so compiles the backward graphs), each
+row is the seconds of samples whose stack holds that frame; rows overlap (a compile inside a step counts in both).
+For inductor's compile workers, the seconds each spent compiling Triton kernels and its longest single stretch.
+"""
+import argparse
+import collections
+import json
+
+# (label, frame name) in the order of a run
+FRAMES = [
+    ("imports: Python source compiled to bytecode (no .pyc on disk)", "SourceLoader.source_to_code"),
+    ("training steps (warm-up and timed)", "train.<locals>.train_step"),
+    ("dynamo: frames traced and compiled (inclusive)", "_compile"),
+    ("inductor: forward graphs", "compile_fx_forward"),
+    ("inductor: backward graphs", "compile_fx_backward"),
+    ("inductor: graphs without autograd (optimizer, validation)", "aot_stage2_inference"),
+    ("the optimizer's first step (inclusive)", "MuonAdam.step"),
+    ("waiting for the compile workers' Triton kernels", "AsyncCompile.wait"),
+    ("inductor benchmarking a kernel's configurations", "CachingAutotuner.benchmark_all_configs"),
+    ("Triton building a C launcher with the host compiler", "compile_module_from_src"),
+    ("Triton compiling a kernel in this thread (ours, on first launch)", "JITFunction._do_compile"),
+]
+
+
+def thread_rows(profile: dict, frames: list[dict]) -> dict[str, float]:
+    totals = collections.Counter()
+    for stack, seconds in zip(profile["samples"], profile["weights"]):
+        names = {frames[i]["name"] for i in stack}
+        totals["sampled"] += seconds
+        for label, frame in FRAMES:
+            if frame in names:
+                totals[label] += seconds
+    return totals
+
+
+def worker_rows(profile: dict, frames: list[dict]) -> tuple[float, float]:
+    """(seconds inside _worker_compile_triton, longest stretch of consecutive such samples)."""
+    busy = longest = stretch = 0.0
+    for stack, seconds in zip(profile["samples"], profile["weights"]):
+        if any(frames[i]["name"] == "_worker_compile_triton" for i in stack):
+            busy += seconds
+            stretch += seconds
+            longest = max(longest, stretch)
+        else:
+            stretch = 0.0
+    return busy, longest
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("speedscope")
+    args = ap.parse_args()
+    data = json.load(open(args.speedscope))
+    frames, profiles = data["shared"]["frames"], data["profiles"]
+    # the training process is the one whose main thread runs train_gpt2.py
+    trainer = next(p["name"].split()[1] for p in profiles
+                   if any(frames[i]["name"] == "train" for s in p["samples"][:2000] for i in s))
+    busy_total, longest_job, workers = 0.0, 0.0, 0
+    for p in profiles:
+        pid = p["name"].split()[1]
+        if pid == trainer:
+            rows = thread_rows(p, frames)
+            if len(rows) > 1:  # threads that did any of the above: the main thread and autograd's
+                print(f"{p['name']}: {rows.pop('sampled'):.1f} s sampled")
+                for label, _ in FRAMES:
+                    if rows[label]:
+                        print(f"  {rows[label]:6.1f} s  {label}")
+        else:
+            busy, longest = worker_rows(p, frames)
+            if busy:
+                workers += 1
+                busy_total += busy
+                longest_job = max(longest_job, longest)
+    print(f"compile workers: {workers} compiled Triton kernels for {busy_total:.1f} s in all; "
+          f"longest unbroken stretch {longest_job:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

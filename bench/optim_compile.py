@@ -1,0 +1,89 @@
+"""The optimizer step of the record model alone (GPU only): compiled (what train_gpt2.py runs) against eager, for
+the cold start and for the step. One variant per process, with fresh compile caches, so each first step compiles
+from nothing.
+
+    python -m bench.optim_compile --out bench/results/optim_compile_1xH200.json
+
+In a strictly cold start of the whole run (py-spy, bench/results/README.md), the first MuonAdam.step took 13.3 s of
+the main thread, 3.4 s of them in inductor benchmarking the configurations of its reductions. Variants:
+compiled (MuonAdam(compile=True): 4 Muon shapes x 3 graphs and 4 Adam graphs) and eager (compile=False, the same
+functions as torch ops). Each variant also prints a profile of three of its steps (stderr).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+VARIANTS = ("compiled", "eager")
+REPEATS = 20
+
+
+def one_variant(variant: str) -> dict:
+    from model.gpt import GPT
+    from optim.optimizer import MuonAdam
+    from train_gpt2 import TrainConfig, model_config
+    torch.manual_seed(0)
+    model = GPT(model_config(TrainConfig())).cuda()
+    model.init_weights()
+    opt = MuonAdam(model.param_groups(), lr={"hidden": 0.05, "embed": 0.6, "value_embed": 0.6, "head": 0.008,
+                                             "scalar": 0.04}, compile=variant == "compiled")
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    opt.step(1.0, 0.9)
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    # CUDA events around each whole step: the host's launches count, as they do in training (not a CUDA graph)
+    times = []
+    for _ in range(REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        opt.step(1.0, 0.9)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            opt.step(1.0, 0.9)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90),
+          file=sys.stderr)
+    return {"variant": variant, "first_step_s": round(first_s, 2), "step_ms_median": round(statistics.median(times), 3),
+            "step_ms_min": round(min(times), 3)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out")
+    ap.add_argument("--variant", choices=VARIANTS, help="run one variant in this process and print its row")
+    args = ap.parse_args()
+    if args.variant:
+        print(json.dumps(one_variant(args.variant)))
+        return
+    rows = []
+    for variant in VARIANTS:
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": f"{cache}/triton"}
+            proc = subprocess.run([sys.executable, "-m", "bench.optim_compile", "--variant", variant], env=env,
+                                  capture_output=True, text=True)
+            print(proc.stderr[-12000:], file=sys.stderr)
+            proc.check_returncode()
+            out = proc.stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+        print(rows[-1])
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
