@@ -24,7 +24,7 @@ import triton.language as tl
 from bench.head_kernels import SOFTCAP, training_problem
 from bench.timing import graph_ms
 from model import head
-from model.head_kernels import _IGNORE_INDEX, _LOG2E, _forward, _tanh_of
+from model.head_kernels import _LOG2E, _forward, _row_lse_and_loss, _tanh_of
 
 # 2^f on [0, 1) as a cubic, fitted here for the least largest relative error (7.5e-5; numpy, Lawson's iteration):
 # far below the e5m2 gradient's rounding (2 mantissa bits)
@@ -50,18 +50,8 @@ def _persistent_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, u_ptr, N, sof
     CHUNKS: tl.constexpr = (V + BLOCK_V - 1) // BLOCK_V
     for row in range(tl.program_id(0), N, tl.num_programs(0)):
         row_ptr = logits_ptr + row.to(tl.int64) * V
-        sum_V = tl.zeros([BLOCK_V], dtype=tl.float32)
-        for start in range(0, V, BLOCK_V):
-            cols_V = start + tl.arange(0, BLOCK_V)
-            inside_V = cols_V < V
-            t_V = _tanh_of(tl.load(row_ptr + cols_V, mask=inside_V, other=0.0), softcap)
-            sum_V += tl.where(inside_V, tl.exp2((_LOG2E * softcap) * (t_V - 1.0)), 0.0)
-        lse = softcap + tl.log(tl.sum(sum_V, axis=0))
-        target = tl.load(targets_ptr + row)
-        ignored = target == _IGNORE_INDEX
-        z_target = softcap * _tanh_of(tl.load(row_ptr + tl.where(ignored, 0, target)), softcap)
-        tl.store(lse_ptr + row, lse)
-        tl.store(loss_ptr + row, tl.where(ignored, 0.0, lse - z_target))
+        lse, target, ignored = _row_lse_and_loss(row_ptr, targets_ptr, lse_ptr, loss_ptr, row, softcap, V,
+                                                 BLOCK_V)
         scale = tl.where(ignored, 0.0, U_SCALE)
         u_row_ptr = u_ptr + row.to(tl.int64) * V
         for i in range(CHUNKS):

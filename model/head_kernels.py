@@ -88,12 +88,9 @@ def _tanh_of(logits, softcap):
 
 
 @triton.jit
-def _forward_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, u_ptr, softcap: tl.constexpr, V: tl.constexpr,
-                    BLOCK_V: tl.constexpr, GRAD: tl.constexpr, U_SCALE: tl.constexpr):
-    """lse and loss of one row; with GRAD, a second pass over the row stores U_SCALE times the unit gradient
-    (softmax(z) - onehot) * tanh' (0 where ignored) in u_ptr's dtype (else u_ptr is not written)."""
-    row = tl.program_id(0)
-    row_ptr = logits_ptr + row.to(tl.int64) * V  # N x V passes 2^31 at the training size
+def _row_lse_and_loss(row_ptr, targets_ptr, lse_ptr, loss_ptr, row, softcap: tl.constexpr, V: tl.constexpr,
+                      BLOCK_V: tl.constexpr):
+    """One pass over the logits at row_ptr: stores the row's lse and loss, returns (lse, target, ignored)."""
     # exp(z - c) = exp(c (t - 1)), summed lane-wise and reduced once at the end
     sum_V = tl.zeros([BLOCK_V], dtype=tl.float32)
     for start in range(0, V, BLOCK_V):
@@ -107,6 +104,17 @@ def _forward_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, u_ptr, softcap: 
     z_target = softcap * _tanh_of(tl.load(row_ptr + tl.where(ignored, 0, target)), softcap)
     tl.store(lse_ptr + row, lse)
     tl.store(loss_ptr + row, tl.where(ignored, 0.0, lse - z_target))
+    return lse, target, ignored
+
+
+@triton.jit
+def _forward_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, u_ptr, softcap: tl.constexpr, V: tl.constexpr,
+                    BLOCK_V: tl.constexpr, GRAD: tl.constexpr, U_SCALE: tl.constexpr):
+    """lse and loss of one row; with GRAD, a second pass over the row stores U_SCALE times the unit gradient
+    (softmax(z) - onehot) * tanh' (0 where ignored) in u_ptr's dtype (else u_ptr is not written)."""
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * V  # N x V passes 2^31 at the training size
+    lse, target, ignored = _row_lse_and_loss(row_ptr, targets_ptr, lse_ptr, loss_ptr, row, softcap, V, BLOCK_V)
     if GRAD:
         # the row was read a moment ago: most of this pass reads it from L2, not HBM
         scale = tl.where(ignored, 0.0, U_SCALE)
