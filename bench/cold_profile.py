@@ -7,7 +7,9 @@
 py-spy is not a dependency: its wheel holds one static binary, carried to the GPU machine. For the training
 process's main thread and its autograd thread (which runs the backward, and so compiles the backward graphs), each
 row is the seconds of samples whose stack holds that frame; rows overlap (a compile inside a step counts in both).
-For inductor's compile workers, the seconds each spent compiling Triton kernels and its longest single stretch.
+Then the compile seconds of each thread by the line of our code that called the compiled function (dynamo's
+_compile, and the autograd thread's backward compile), and for inductor's compile workers, the seconds they spent
+compiling Triton kernels and the longest single stretch.
 """
 import argparse
 import collections
@@ -40,6 +42,20 @@ def thread_rows(profile: dict, frames: list[dict]) -> dict[str, float]:
     return totals
 
 
+def compile_callers(profile: dict, frames: list[dict], repo: str) -> collections.Counter:
+    """Compile seconds by (compile frame, the innermost frame of our code above it)."""
+    callers = collections.Counter()
+    for stack, seconds in zip(profile["samples"], profile["weights"]):
+        names = [frames[i]["name"] for i in stack]
+        at = next((j for j, n in enumerate(names) if n in ("_compile", "compile_fx_backward")), None)
+        if at is None:
+            continue
+        ours = [frames[i] for i in stack[:at] if frames[i].get("file", "").startswith(repo)]
+        caller = f"{ours[-1]['name']} ({ours[-1]['file'][len(repo):]}:{ours[-1].get('line')})" if ours else "-"
+        callers[(names[at], caller)] += seconds
+    return callers
+
+
 def worker_rows(profile: dict, frames: list[dict]) -> tuple[float, float]:
     """(seconds inside _worker_compile_triton, longest stretch of consecutive such samples)."""
     busy = longest = stretch = 0.0
@@ -56,6 +72,7 @@ def worker_rows(profile: dict, frames: list[dict]) -> tuple[float, float]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("speedscope")
+    ap.add_argument("--repo", default="/work/main/", help="the checkout's path on the machine that recorded it")
     args = ap.parse_args()
     data = json.load(open(args.speedscope))
     frames, profiles = data["shared"]["frames"], data["profiles"]
@@ -72,6 +89,8 @@ def main():
                 for label, _ in FRAMES:
                     if rows[label]:
                         print(f"  {rows[label]:6.1f} s  {label}")
+                for (frame, caller), seconds in compile_callers(p, frames, args.repo).most_common():
+                    print(f"  {seconds:6.1f} s  compiling ({frame}), called from {caller}")
         else:
             busy, longest = worker_rows(p, frames)
             if busy:
