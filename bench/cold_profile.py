@@ -14,6 +14,7 @@ compiling Triton kernels and the longest single stretch.
 import argparse
 import collections
 import json
+from pathlib import Path
 
 # (label, frame name) in the order of a run
 FRAMES = [
@@ -72,7 +73,8 @@ def worker_rows(profile: dict, frames: list[dict]) -> tuple[float, float]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("speedscope")
-    ap.add_argument("--repo", default="/work/main/", help="the checkout's path on the machine that recorded it")
+    ap.add_argument("--repo", default=f"{Path(__file__).resolve().parents[1]}/",
+                    help="the checkout's path on the machine that recorded it (default: this checkout's)")
     args = ap.parse_args()
     data = json.load(open(args.speedscope))
     frames, profiles = data["shared"]["frames"], data["profiles"]
