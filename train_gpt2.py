@@ -27,7 +27,7 @@ from runtime import checkpoint, dist
 from runtime.cli import parse_config
 from runtime.errors import UserError, exit_on_user_error
 from runtime.logger import RunLog
-from runtime.run import StopRequest, all_finite, check_disk_space, make_run_dir, profiled
+from runtime.run import StopRequest, all_finite, check_disk_space, make_run_dir, profiled, use_static_launcher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,6 +311,8 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
         log.print(f"note: this GPU (compute capability {torch.cuda.get_device_capability(device)}) has no FP8 "
                   f"matrix units, so the LM head runs in bf16; pass --fp8_head 0 to make that explicit")
     if cfg.compile:
+        if cuda:
+            use_static_launcher()
         model.compile_regions()
     initial_weights = copy.deepcopy(model.state_dict())
 

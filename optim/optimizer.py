@@ -98,9 +98,12 @@ class MuonAdam:
                 self._adam[group["name"]] = ([torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps])
 
         # One graph per Muon bucket shape and per Adam group (4 + 4 for the 124M model), within dynamo's
-        # default limit of 8 recompiles per function.
+        # default limit of 8 recompiles per function. Inductor's deterministic mode picks each reduction's launch
+        # configuration by its heuristics instead of timing several on the GPU at first launch: 3.4 s of a strictly
+        # cold start on the H200 went to timing the optimizer's (bench/results/cold_profile_1xH200_317d98e.txt).
         on_cuda = device.type == "cuda"
-        wrap = (lambda f: torch.compile(f, dynamic=False)) if compile and on_cuda else (lambda f: f)
+        options = {"deterministic": True}
+        wrap = (lambda f: torch.compile(f, dynamic=False, options=options)) if compile and on_cuda else (lambda f: f)
         self._nesterov = wrap(nesterov_momentum)
         self._orthogonalize = wrap(functools.partial(newton_schulz, method=muon_method))
         self._apply = wrap(apply_updates)

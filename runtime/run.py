@@ -1,5 +1,6 @@
 """The run folder and the controls around the training loop: stop requests, divergence, profiling."""
 import json
+import os
 import shutil
 import signal
 import time
@@ -34,6 +35,23 @@ def check_disk_space(run_dir: Path, needed_bytes: int, what: str) -> None:
     if free < needed_bytes:
         raise UserError(f"--log_dir={run_dir.parent} has {free / 2**30:.2f} GiB free but {what} needs about "
                         f"{needed_bytes / 2**30:.2f} GiB; free some space or pass another --log_dir")
+
+
+# Inductor launches its own kernels through its static CUDA launcher, but user-defined Triton kernels (ours, via
+# torch.library.triton_op) through Triton's, which builds a C launcher with the host compiler on first use: 4.0 s of a
+# strictly cold start's 87.6 s on the H200 (bench/results/cold_profile_1xH200_317d98e.txt). The compile workers are
+# separate processes that read this variable when they start; a torch.compile option does not reach them
+# (bench/results/README.md, 74b0f3a).
+STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
+
+
+def use_static_launcher() -> None:
+    """Statically launch our Triton kernels inside compiled graphs, unless the environment says otherwise. Call it
+    before the first compile, which starts the compile workers."""
+    import torch._inductor.config as inductor_config
+
+    os.environ.setdefault(STATIC_LAUNCH_ENV, "1")
+    inductor_config.static_launch_user_defined_triton_kernels = os.environ[STATIC_LAUNCH_ENV] == "1"
 
 
 def all_finite(tensors) -> bool:
