@@ -190,3 +190,18 @@ def test_logged_commit_prefers_the_environment(monkeypatch):
     monkeypatch.delenv("SPEEDRUN_GIT_COMMIT")
     commit = versions(torch.device("cpu"))["git_commit"]
     assert commit is None or (len(commit) == 40 and int(commit, 16) >= 0)  # git's HEAD, or no git at all
+
+
+def test_static_launch_of_our_kernels_unless_the_environment_says_no(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    from runtime.run import STATIC_LAUNCH_ENV, use_static_launcher
+
+    monkeypatch.setattr(inductor_config, "static_launch_user_defined_triton_kernels", False)
+    monkeypatch.delenv(STATIC_LAUNCH_ENV, raising=False)
+    use_static_launcher()
+    # the compile workers, separate processes, read the variable; this process reads the config
+    assert os.environ[STATIC_LAUNCH_ENV] == "1" and inductor_config.static_launch_user_defined_triton_kernels
+    monkeypatch.setenv(STATIC_LAUNCH_ENV, "0")
+    use_static_launcher()
+    assert os.environ[STATIC_LAUNCH_ENV] == "0" and not inductor_config.static_launch_user_defined_triton_kernels
