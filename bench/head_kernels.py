@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import triton
 
-from bench.timing import median_ms
+from bench.timing import graph_ms, median_ms
 from model import head, head_kernels
 
 N, V, SOFTCAP = 48 * 1024, 50304, 15.0
@@ -26,13 +26,39 @@ FORWARD_SHAPES = [(1024, 4), (1024, 8), (2048, 4), (2048, 8), (2048, 16), (4096,
 TRANSPOSE_TILES = [(64, 64, 4), (128, 128, 8), (64, 128, 4), (128, 64, 4), (256, 64, 8), (32, 32, 4)]
 
 
+def first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def attempt(fn) -> float | str:
     """median_ms(fn), or the error's first line: a tile too large for the SM's registers or shared memory is a
     result too, and the sweep goes on."""
     try:
         return median_ms(fn)
     except Exception as e:
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return first_line(e)
+
+
+def run_variant(row: dict, call, checks) -> dict:
+    """One variant of a kernel sweep (bench/head_passes.py, head_persistent.py, head_resident.py): run `call` once,
+    add `checks()` (its outputs against the model kernel's) and its time in CUDA graphs to `row`, or the error's
+    first line (the sweep goes on); print the row and return it."""
+    try:
+        call()
+        torch.cuda.synchronize()
+        row.update(checks(), ms=graph_ms(call))
+    except Exception as e:
+        row["error"] = first_line(e)
+    print(row)
+    return row
+
+
+def finish_sweep(result: dict, model_call, out: str) -> None:
+    """Time the model's kernel once more (the machine may have drifted during the sweep) and write the JSON."""
+    result["model_kernel_ms_again"] = graph_ms(model_call)
+    print({"model_kernel_ms_again": result["model_kernel_ms_again"]})
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 def training_problem():

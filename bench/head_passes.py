@@ -32,15 +32,14 @@ Measured on the H200 (head_passes_1xH200*.json; the model's kernel 3.03-3.15 ms 
 Not adopted: too little for a change of the gradient's bits, which would need the time-to-loss measured again.
 """
 import argparse
-import json
-from pathlib import Path
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from bench.head_kernels import SOFTCAP, training_problem
+from bench.head_kernels import SOFTCAP, finish_sweep, run_variant, training_problem
+from bench.head_persistent import _chunk_cols
 from bench.timing import graph_ms
 from model import head
 from model.head_kernels import _LOG2E, _forward, _row_lse_and_loss, _tanh_of, lse_and_loss
@@ -100,12 +99,7 @@ def _variant_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, u_ptr, softcap: 
     target32 = target.to(tl.int32)
     u_row_ptr = u_ptr + row.to(tl.int64) * V
     for i in range(CHUNKS):
-        if REVERSE:
-            start = (CHUNKS - 1 - i) * BLOCK_V
-        else:
-            start = i * BLOCK_V
-        cols_V = start + tl.arange(0, BLOCK_V)
-        inside_V = cols_V < V
+        cols_V, inside_V = _chunk_cols(i, CHUNKS, BLOCK_V, V, REVERSE)
         if EVICT:
             logits_V = tl.load(row_ptr + cols_V, mask=inside_V, other=0.0, eviction_policy="evict_first")
         else:
@@ -184,26 +178,17 @@ def main():
             _variant_kernel[(N,)](logits_NV, targets_N, lse_N, loss_N, u8_NV, SOFTCAP, V=V, BLOCK_V=block_v,
                                   U_SCALE=u_scale, LOG2_SCALE=float(np.log2(u_scale)), num_warps=warps,
                                   **{n: n in flags for n in names})
-        row = {"flags": list(flags), "block_v": block_v, "warps": warps}
-        try:
-            call()
-            torch.cuda.synchronize()
-            differ = u8_NV.view(torch.uint8) != ref_u8.view(torch.uint8)
-            err = (u8_NV[rows].double() - ref64).abs()
-            row.update(u8_bytes_differing=int(differ.sum()),
-                       u8_max_abs_diff=float((u8_NV.float() - ref_u8.float()).abs().max()),
-                       err_vs_fp64={"mean": float(err.mean()), "max": float(err.max())},
-                       loss_bits_equal=bool(torch.equal(loss_N, ref_loss)),
-                       loss_max_abs_diff=float((loss_N - ref_loss).abs().max()), ms=graph_ms(call))
-        except Exception as e:  # a shape that does not fit is a result too; the sweep goes on
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        print(row)
-        result["variants"].append(row)
-    result["model_kernel_ms_again"] = graph_ms(lambda: _forward(logits_NV, targets_N, SOFTCAP, ref_u8, u_scale))
-    print({"model_kernel_ms_again": result["model_kernel_ms_again"]})
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
+        def checks():
+            err = (u8_NV[rows].double() - ref64).abs()
+            return {"u8_bytes_differing": int((u8_NV.view(torch.uint8) != ref_u8.view(torch.uint8)).sum()),
+                    "u8_max_abs_diff": float((u8_NV.float() - ref_u8.float()).abs().max()),
+                    "err_vs_fp64": {"mean": float(err.mean()), "max": float(err.max())},
+                    "loss_bits_equal": bool(torch.equal(loss_N, ref_loss)),
+                    "loss_max_abs_diff": float((loss_N - ref_loss).abs().max())}
+        result["variants"].append(run_variant({"flags": list(flags), "block_v": block_v, "warps": warps}, call,
+                                              checks))
+    finish_sweep(result, lambda: _forward(logits_NV, targets_N, SOFTCAP, ref_u8, u_scale), args.out)
 
 if __name__ == "__main__":
     main()

@@ -13,15 +13,13 @@ is a polynomial on the FMA units (as FlashAttention-4 does for part of its softm
 operations per element. Same sums in the same order: without the polynomial, the bits are the model kernel's.
 """
 import argparse
-import json
-from pathlib import Path
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from bench.head_kernels import SOFTCAP, training_problem
+from bench.head_kernels import SOFTCAP, finish_sweep, run_variant, training_problem
 from bench.timing import graph_ms
 from model import head
 from model.head_kernels import _LOG2E, _forward, _row_lse_and_loss, _tanh_of
@@ -44,6 +42,17 @@ def _exp2_fma(x):
 
 
 @triton.jit
+def _chunk_cols(i, CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr, V: tl.constexpr, REVERSE: tl.constexpr):
+    """The columns of a row's chunk i and which of them lie inside the row; with REVERSE, chunk 0 is the last."""
+    if REVERSE:
+        start = (CHUNKS - 1 - i) * BLOCK_V
+    else:
+        start = i * BLOCK_V
+    cols_V = start + tl.arange(0, BLOCK_V)
+    return cols_V, cols_V < V
+
+
+@triton.jit
 def _persistent_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, u_ptr, N, softcap: tl.constexpr,
                        V: tl.constexpr, BLOCK_V: tl.constexpr, U_SCALE: tl.constexpr, REVERSE: tl.constexpr,
                        POLY: tl.constexpr):
@@ -55,12 +64,7 @@ def _persistent_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, u_ptr, N, sof
         scale = tl.where(ignored, 0.0, U_SCALE)
         u_row_ptr = u_ptr + row.to(tl.int64) * V
         for i in range(CHUNKS):
-            if REVERSE:
-                start = (CHUNKS - 1 - i) * BLOCK_V
-            else:
-                start = i * BLOCK_V
-            cols_V = start + tl.arange(0, BLOCK_V)
-            inside_V = cols_V < V
+            cols_V, inside_V = _chunk_cols(i, CHUNKS, BLOCK_V, V, REVERSE)
             t_V = _tanh_of(tl.load(row_ptr + cols_V, mask=inside_V, other=0.0), softcap)
             if POLY:
                 probs_V = _exp2_fma(_LOG2E * (softcap * t_V - lse))
@@ -104,26 +108,16 @@ def main():
             _persistent_kernel[(programs_per_sm * sms,)](
                 logits_NV, targets_N, lse_N, loss_N, u8_NV, N, SOFTCAP, V=V, BLOCK_V=block_v, U_SCALE=u_scale,
                 REVERSE=reverse, POLY=poly, num_warps=warps)
+
+        def checks():
+            return {"u8_bytes_differing": int((u8_NV.view(torch.uint8) != ref_u8.view(torch.uint8)).sum()),
+                    "u8_max_abs_diff": float((u8_NV.float() - ref_u8.float()).abs().max()),
+                    "loss_bits_equal": bool(torch.equal(loss_N, ref_loss)),
+                    "lse_max_abs_diff": float((lse_N - ref_lse).abs().max())}
         row = {"programs_per_sm": programs_per_sm, "block_v": block_v, "warps": warps, "reverse": reverse,
                "poly_exp2": poly}
-        try:
-            call()
-            torch.cuda.synchronize()
-            differ = (u8_NV.view(torch.uint8) != ref_u8.view(torch.uint8))
-            row.update(u8_bytes_differing=int(differ.sum()),
-                       u8_max_abs_diff=float((u8_NV.float() - ref_u8.float()).abs().max()),
-                       loss_bits_equal=bool(torch.equal(loss_N, ref_loss)),
-                       lse_max_abs_diff=float((lse_N - ref_lse).abs().max()),
-                       ms=graph_ms(call))
-        except Exception as e:  # a shape that does not fit is a result too; the sweep goes on
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        print(row)
-        result["variants"].append(row)
-    result["model_kernel_ms_again"] = graph_ms(lambda: _forward(logits_NV, targets_N, SOFTCAP, ref_u8, u_scale))
-    print({"model_kernel_ms_again": result["model_kernel_ms_again"]})
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-
+        result["variants"].append(run_variant(row, call, checks))
+    finish_sweep(result, lambda: _forward(logits_NV, targets_N, SOFTCAP, ref_u8, u_scale), args.out)
 
 if __name__ == "__main__":
     main()

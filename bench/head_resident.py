@@ -20,8 +20,6 @@ and ran alone: 4.44-4.48 ms), against 3.02-3.03 for the model's kernel. 100 KB o
 programs per SM: 16 warps, against the model kernel's 64, are too few to keep the MUFU busy. Not adopted.
 """
 import argparse
-import json
-from pathlib import Path
 
 import torch
 import triton
@@ -29,7 +27,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from bench.head_kernels import SOFTCAP, training_problem
+from bench.head_kernels import SOFTCAP, finish_sweep, run_variant, training_problem
 from bench.timing import graph_ms
 from model import head
 from model.head_kernels import _forward
@@ -43,6 +41,26 @@ def _tanh(logits, softcap: gl.constexpr):
     u = logits.to(gl.float32) * (1.0 / softcap)
     return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=gl.float32, is_pure=True,
                                      pack=1)
+
+
+@gluon.jit
+def _sum_term(chunk_smem, cols, layout: gl.constexpr, softcap: gl.constexpr, V: gl.constexpr):
+    """A chunk's terms of the first pass's sum of exp(z - c), as model/head_kernels.py's _row_lse_and_loss."""
+    t_V = _tanh(chunk_smem.load(layout), softcap)
+    return gl.where(cols < V, gl.exp2((_LOG2E * softcap) * (t_V - 1.0)), 0.0)
+
+
+@gluon.jit
+def _store_grad(chunk_smem, cols, layout: gl.constexpr, u_row_ptr, lse, target, scale, softcap: gl.constexpr,
+                V: gl.constexpr):
+    """Stores a chunk's unit gradient, as model/head_kernels.py's _forward_kernel; returns t where the target is
+    (0 elsewhere), so that the row's loss needs no load of its own."""
+    t_V = _tanh(chunk_smem.load(layout), softcap)
+    probs_V = gl.exp2(_LOG2E * (softcap * t_V - lse))
+    hit_V = cols == target
+    u_V = (probs_V - hit_V.to(gl.float32)) * (1.0 - t_V * t_V) * scale
+    gl.store(u_row_ptr + cols, u_V.to(u_row_ptr.dtype.element_ty), mask=cols < V)
+    return gl.where(hit_V, t_V, 0.0)
 
 
 @gluon.jit
@@ -65,9 +83,7 @@ def _resident_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, u_ptr, N, softc
         sum_V = gl.zeros([BLOCK_V], gl.float32, layout)
         for i in gl.static_range(CHUNKS):
             async_copy.wait_group(CHUNKS - 1 - i)  # the groups after chunk i's: this row's later chunks
-            cols = i * BLOCK_V + offs
-            t_V = _tanh(rows_smem.index(i).load(layout), softcap)
-            sum_V += gl.where(cols < V, gl.exp2((_LOG2E * softcap) * (t_V - 1.0)), 0.0)
+            sum_V += _sum_term(rows_smem.index(i), i * BLOCK_V + offs, layout, softcap, V)
         lse = softcap + gl.log(gl.sum(sum_V, axis=0))
         target = gl.load(targets_ptr + row)
         ignored = target == -100
@@ -79,14 +95,8 @@ def _resident_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, u_ptr, N, softc
         t_target_V = gl.zeros([BLOCK_V], gl.float32, layout)
         for i in gl.static_range(CHUNKS):
             cols = i * BLOCK_V + offs
-            inside = cols < V
-            t_V = _tanh(rows_smem.index(i).load(layout), softcap)
-            probs_V = gl.exp2(_LOG2E * (softcap * t_V - lse))
-            hit_V = cols == target
-            u_V = (probs_V - hit_V.to(gl.float32)) * (1.0 - t_V * t_V) * scale
-            t_target_V += gl.where(hit_V, t_V, 0.0)
-            gl.store(u_row_ptr + cols, u_V.to(u_ptr.dtype.element_ty), mask=inside)
-            async_copy.async_copy_global_to_shared(rows_smem.index(i), next_ptr + cols, mask=inside & has_next)
+            t_target_V += _store_grad(rows_smem.index(i), cols, layout, u_row_ptr, lse, target, scale, softcap, V)
+            async_copy.async_copy_global_to_shared(rows_smem.index(i), next_ptr + cols, mask=(cols < V) & has_next)
             async_copy.commit_group()
         # the target's t, found in the second pass: a sum of one value and zeros, so exactly the model's
         gl.store(lse_ptr + row, lse)
@@ -117,9 +127,7 @@ def _row_group_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, u_ptr, N, soft
         async_copy.wait_group(0)
         sum_V = gl.zeros([BLOCK_V], gl.float32, layout)
         for i in range(CHUNKS):
-            cols = i * BLOCK_V + offs
-            t_V = _tanh(rows_smem.index(i).load(layout), softcap)
-            sum_V += gl.where(cols < V, gl.exp2((_LOG2E * softcap) * (t_V - 1.0)), 0.0)
+            sum_V += _sum_term(rows_smem.index(i), i * BLOCK_V + offs, layout, softcap, V)
         lse = softcap + gl.log(gl.sum(sum_V, axis=0))
         target = gl.load(targets_ptr + row)
         ignored = target == -100
@@ -127,13 +135,8 @@ def _row_group_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, u_ptr, N, soft
         u_row_ptr = u_ptr + row.to(gl.int64) * V
         t_target_V = gl.zeros([BLOCK_V], gl.float32, layout)
         for i in range(CHUNKS):
-            cols = i * BLOCK_V + offs
-            t_V = _tanh(rows_smem.index(i).load(layout), softcap)
-            probs_V = gl.exp2(_LOG2E * (softcap * t_V - lse))
-            hit_V = cols == target
-            u_V = (probs_V - hit_V.to(gl.float32)) * (1.0 - t_V * t_V) * scale
-            t_target_V += gl.where(hit_V, t_V, 0.0)
-            gl.store(u_row_ptr + cols, u_V.to(u_ptr.dtype.element_ty), mask=cols < V)
+            t_target_V += _store_grad(rows_smem.index(i), i * BLOCK_V + offs, layout, u_row_ptr, lse, target, scale,
+                                      softcap, V)
         gl.store(lse_ptr + row, lse)
         gl.store(loss_ptr + row, gl.where(ignored, 0.0, lse - softcap * gl.sum(t_target_V, axis=0)))
         next_row = row + step
@@ -173,23 +176,15 @@ def main():
         def call():
             kernels[name][(min(N, programs_per_sm * sms),)](logits_NV, targets_N, lse_N, loss_N, u8_NV, N, SOFTCAP,
                                                             V=V, U_SCALE=u_scale, num_warps=warps, maxnreg=maxnreg)
-        row = {"kernel": name, "programs_per_sm": programs_per_sm, "warps": warps, "maxnreg": maxnreg}
-        try:
-            call()
-            torch.cuda.synchronize()
-            row.update(u8_bytes_differing=int((u8_NV.view(torch.uint8) != ref_u8.view(torch.uint8)).sum()),
-                       lse_bits_equal=bool(torch.equal(lse_N, ref_lse)),
-                       loss_bits_equal=bool(torch.equal(loss_N, ref_loss)),
-                       loss_max_abs_diff=float((loss_N - ref_loss).abs().max()), ms=graph_ms(call))
-        except Exception as e:  # a shape that does not fit is a result too; the sweep goes on
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        print(row)
-        result["variants"].append(row)
-    result["model_kernel_ms_again"] = graph_ms(lambda: _forward(logits_NV, targets_N, SOFTCAP, ref_u8, u_scale))
-    print({"model_kernel_ms_again": result["model_kernel_ms_again"]})
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
+        def checks():
+            return {"u8_bytes_differing": int((u8_NV.view(torch.uint8) != ref_u8.view(torch.uint8)).sum()),
+                    "lse_bits_equal": bool(torch.equal(lse_N, ref_lse)),
+                    "loss_bits_equal": bool(torch.equal(loss_N, ref_loss)),
+                    "loss_max_abs_diff": float((loss_N - ref_loss).abs().max())}
+        row = {"kernel": name, "programs_per_sm": programs_per_sm, "warps": warps, "maxnreg": maxnreg}
+        result["variants"].append(run_variant(row, call, checks))
+    finish_sweep(result, lambda: _forward(logits_NV, targets_N, SOFTCAP, ref_u8, u_scale), args.out)
 
 if __name__ == "__main__":
     main()
