@@ -64,15 +64,30 @@ def _store_grad(chunk_smem, cols, layout: gl.constexpr, u_row_ptr, lse, target, 
 
 
 @gluon.jit
+def _row_buffer(CHUNKS: gl.constexpr, BLOCK_V: gl.constexpr, layout: gl.constexpr):
+    """The shared-memory row (CHUNKS slots of BLOCK_V bf16), each thread's offsets within a slot, and this program's
+    first row and its stride over the rows."""
+    return (gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, BLOCK_V], gl.SwizzledSharedLayout(1, 1, 1, [0])),
+            gl.arange(0, BLOCK_V, layout=layout), gl.program_id(0), gl.num_programs(0))
+
+
+@gluon.jit
+def _row_facts(sum_V, targets_ptr, u_ptr, row, softcap: gl.constexpr, V: gl.constexpr, U_SCALE: gl.constexpr):
+    """After the first pass: the row's lse, its target, whether it is ignored, the gradient's scale (0 for ignored
+    rows) and where the row's gradient goes."""
+    lse = softcap + gl.log(gl.sum(sum_V, axis=0))
+    target = gl.load(targets_ptr + row)
+    ignored = target == -100
+    return lse, target, ignored, gl.where(ignored, 0.0, U_SCALE), u_ptr + row.to(gl.int64) * V
+
+
+@gluon.jit
 def _resident_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, u_ptr, N, softcap: gl.constexpr,
                      V: gl.constexpr, U_SCALE: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_V: gl.constexpr = 8 * 32 * num_warps  # one 16-byte bf16 vector per thread and chunk
     CHUNKS: gl.constexpr = (V + BLOCK_V - 1) // BLOCK_V
     layout: gl.constexpr = gl.BlockedLayout([8], [32], [num_warps], [0])
-    rows_smem = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, BLOCK_V], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    offs = gl.arange(0, BLOCK_V, layout=layout)
-    start = gl.program_id(0)
-    step = gl.num_programs(0)
+    rows_smem, offs, start, step = _row_buffer(CHUNKS, BLOCK_V, layout)
     for i in gl.static_range(CHUNKS):  # the first row's chunks, one commit group each
         cols = i * BLOCK_V + offs
         async_copy.async_copy_global_to_shared(rows_smem.index(i), logits_ptr + start.to(gl.int64) * V + cols,
@@ -84,11 +99,7 @@ def _resident_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, u_ptr, N, softc
         for i in gl.static_range(CHUNKS):
             async_copy.wait_group(CHUNKS - 1 - i)  # the groups after chunk i's: this row's later chunks
             sum_V += _sum_term(rows_smem.index(i), i * BLOCK_V + offs, layout, softcap, V)
-        lse = softcap + gl.log(gl.sum(sum_V, axis=0))
-        target = gl.load(targets_ptr + row)
-        ignored = target == -100
-        scale = gl.where(ignored, 0.0, U_SCALE)
-        u_row_ptr = u_ptr + row.to(gl.int64) * V
+        lse, target, ignored, scale, u_row_ptr = _row_facts(sum_V, targets_ptr, u_ptr, row, softcap, V, U_SCALE)
         next_ptr = logits_ptr + (row + step).to(gl.int64) * V
         has_next = row + step < N
         # second pass: the gradient from shared memory; each chunk read, its slot takes the next row's chunk
@@ -114,10 +125,7 @@ def _row_group_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, u_ptr, N, soft
     BLOCK_V: gl.constexpr = 8 * 32 * num_warps
     CHUNKS: gl.constexpr = (V + BLOCK_V - 1) // BLOCK_V
     layout: gl.constexpr = gl.BlockedLayout([8], [32], [num_warps], [0])
-    rows_smem = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, BLOCK_V], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    offs = gl.arange(0, BLOCK_V, layout=layout)
-    start = gl.program_id(0)
-    step = gl.num_programs(0)
+    rows_smem, offs, start, step = _row_buffer(CHUNKS, BLOCK_V, layout)
     for i in range(CHUNKS):
         cols = i * BLOCK_V + offs
         async_copy.async_copy_global_to_shared(rows_smem.index(i), logits_ptr + start.to(gl.int64) * V + cols,
@@ -128,11 +136,7 @@ def _row_group_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, u_ptr, N, soft
         sum_V = gl.zeros([BLOCK_V], gl.float32, layout)
         for i in range(CHUNKS):
             sum_V += _sum_term(rows_smem.index(i), i * BLOCK_V + offs, layout, softcap, V)
-        lse = softcap + gl.log(gl.sum(sum_V, axis=0))
-        target = gl.load(targets_ptr + row)
-        ignored = target == -100
-        scale = gl.where(ignored, 0.0, U_SCALE)
-        u_row_ptr = u_ptr + row.to(gl.int64) * V
+        lse, target, ignored, scale, u_row_ptr = _row_facts(sum_V, targets_ptr, u_ptr, row, softcap, V, U_SCALE)
         t_target_V = gl.zeros([BLOCK_V], gl.float32, layout)
         for i in range(CHUNKS):
             t_target_V += _store_grad(rows_smem.index(i), i * BLOCK_V + offs, layout, u_row_ptr, lse, target, scale,
