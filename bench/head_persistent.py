@@ -119,5 +119,6 @@ def main():
         result["variants"].append(run_variant(row, call, checks))
     finish_sweep(result, lambda: _forward(logits_NV, targets_N, SOFTCAP, ref_u8, u_scale), args.out)
 
+
 if __name__ == "__main__":
     main()

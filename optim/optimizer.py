@@ -99,8 +99,10 @@ class MuonAdam:
 
         # One graph per Muon bucket shape and per Adam group (4 + 4 for the 124M model), within dynamo's
         # default limit of 8 recompiles per function. Inductor's deterministic mode picks each reduction's launch
-        # configuration by its heuristics instead of timing several on the GPU at first launch: 3.4 s of a strictly
-        # cold start on the H200 went to timing the optimizer's (bench/results/cold_profile_1xH200_317d98e.txt).
+        # configuration by its heuristics instead of timing several on the GPU at first launch (3.4 s of a strictly
+        # cold start on the H200 went to timing the optimizer's kernels, bench/results/cold_profile_1xH200_317d98e.txt).
+        # The pointwise kernels are still timed: untimed too, the optimizer compiled 7.8 s faster but its step took
+        # 8.43 ms instead of 6.63 (bench/results/README.md, 940105b).
         on_cuda = device.type == "cuda"
         options = {"deterministic": True}
         wrap = (lambda f: torch.compile(f, dynamic=False, options=options)) if compile and on_cuda else (lambda f: f)

@@ -41,7 +41,8 @@ def check_disk_space(run_dir: Path, needed_bytes: int, what: str) -> None:
 # torch.library.triton_op) through Triton's, which builds a C launcher with the host compiler on first use: 4.0 s of a
 # strictly cold start's 87.6 s on the H200 (bench/results/cold_profile_1xH200_317d98e.txt). The compile workers are
 # separate processes that read this variable when they start; a torch.compile option does not reach them
-# (bench/results/README.md, 74b0f3a).
+# (bench/results/README.md, 74b0f3a). Set, the launcher builds took 1.5 s instead of 4.0 (half the libraries) in a
+# py-spy recording on another H200 (bench/results/cold_profile_1xH200_940105b.txt).
 STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 
 
