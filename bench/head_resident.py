@@ -30,10 +30,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from bench.head_kernels import SOFTCAP, finish_sweep, run_variant, training_problem
 from bench.timing import graph_ms
 from model import head
-from model.head_kernels import _forward
-
-_LOG2E = gl.constexpr(1.4426950408889634)
-
+from model.head_kernels import _LOG2E, _forward  # _LOG2E is a constexpr, which Gluon reads as its own
 
 @gluon.jit
 def _tanh(logits, softcap: gl.constexpr):
