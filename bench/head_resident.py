@@ -32,6 +32,7 @@ from bench.timing import graph_ms
 from model import head
 from model.head_kernels import _LOG2E, _forward  # _LOG2E is a constexpr, which Gluon reads as its own
 
+
 @gluon.jit
 def _tanh(logits, softcap: gl.constexpr):
     """model/head_kernels.py's _tanh_of on the MUFU: t = tanh(l / c)."""
