@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from model.attention import block_mask, dense_mask, document_ids, short_window, window_blocks
 from model.head import Head
-from model.layers import Block, FanOut, SkipAdd, TableRows, add_all, norm, rotary_tables
+from model.layers import Block, FanOut, SkipAdd, TableRows, add_all, norm, rotary_tables, sort_ids
 
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("flex", "sdpa")
@@ -101,6 +101,7 @@ class GPT(nn.Module):
         for block in model.blocks: block.compile(dynamic=False, fullgraph=True)
         model.head.compile(dynamic=False, fullgraph=True)
         model.add_gradients = torch.compile(model.add_gradients, dynamic=False, fullgraph=True)
+        model.norm_rows = torch.compile(model.norm_rows, dynamic=False, fullgraph=True)
     All blocks share one signature, (x, x0, v_first, ve, cos, sin, mask), so they share compiled code, one graph per
     presence pattern; every per-step value (the window) reaches them as a tensor, so schedules never recompile.
     """
@@ -111,6 +112,7 @@ class GPT(nn.Module):
         self.attention_backend = "flex"
         self.compute_dtype = torch.bfloat16
         self.add_gradients = add_all  # sums x0's gradients (layers.FanOut); compile_regions compiles it
+        self.norm_rows = norm  # x0 from the embedding's rows (hidden_states); compile_regions compiles it
         D, V, L = config.model_dim, config.vocab_size, config.num_layers
         attn_dim = config.num_heads * config.head_dim
         # _weight=empty: skip nn.Embedding's own random init, so construction neither costs time nor draws from
@@ -140,9 +142,9 @@ class GPT(nn.Module):
 
     def compile_regions(self, **kwargs) -> None:
         """Compile the embedding lookups, each block and the head separately (regional compilation); kwargs go to
-        torch.compile. Compiled, the lookups, casts and norm fuse, and the tables' gradients are scattered with
-        atomic adds instead of eager embedding_dense_backward's sort (13.8 ms of the 716 ms step on the H200,
-        bench/results/profile_step28_1xH200.txt); the step took 12.1 ms less (bench/results/README.md, e7f4a50)."""
+        torch.compile. Compiled, the lookups and casts fuse (eager, with embedding_dense_backward's sort for the
+        tables' gradients, the step took 12.1 ms more on the H200: bench/results/README.md, e7f4a50; the gradients
+        now go through TableRows)."""
         kwargs = {"dynamic": False, "fullgraph": True} | kwargs
         # All blocks share Block.forward, and dynamo's recompile limit (8) counts its graphs: one per presence
         # pattern of the optional inputs, for training and again under no_grad for validation. A layer is at most
@@ -162,6 +164,7 @@ class GPT(nn.Module):
             block.compile(**kwargs)
         self.head.compile(**kwargs)
         self.add_gradients = torch.compile(self.add_gradients, **kwargs)  # one kernel reads all, writes the sum once
+        self.norm_rows = torch.compile(self.norm_rows, **kwargs)  # one kernel each way
 
     def param_groups(self) -> list[dict]:
         """Parameters tagged for the optimizer, chosen by module structure: Muon for every matrix inside the
@@ -205,8 +208,17 @@ class GPT(nn.Module):
                 raise ValueError(f"head_dim={cfg.head_dim}: FlexAttention's GPU kernels need at least "
                                  f"{FLEX_MIN_HEAD_DIM}; use a larger head_dim")
         masks, cos_TP, sin_TP = self.attention_inputs(inputs_BT, window)
-        x0_BTD, *ves_BTA = self.embed_inputs(inputs_BT)
-        ves_BTA = [TableRows.apply(ve_BTA, emb.weight, inputs_BT) for ve_BTA, emb in zip(ves_BTA, self.value_embeds)]
+        rows_BTD, *ves_BTA = self.embed_inputs(inputs_BT)
+        # the rows' gradients go straight into the tables' (TableRows); each value embedding feeds two layers
+        # (GPTConfig.value_embed_index): one view of its rows for each, whose two gradients are added together
+        if torch.is_grad_enabled():
+            sorted_ids_N, order_N = sort_ids(inputs_BT)
+            (rows_BTD,) = TableRows.apply(rows_BTD, self.embed.weight, sorted_ids_N, order_N, 1)
+            ves_BTA = [list(TableRows.apply(ve_BTA, emb.weight, sorted_ids_N, order_N, 2))
+                       for ve_BTA, emb in zip(ves_BTA, self.value_embeds)]
+        else:  # no gradient to route
+            ves_BTA = [[ve_BTA, ve_BTA] for ve_BTA in ves_BTA]
+        x0_BTD = self.norm_rows(rows_BTD)
         L, num_skips = cfg.num_layers, cfg.num_layers // 2
         # every block reads x0, and so does the stream's start: one view each, their gradients summed in one pass
         *x0s_BTD, x_BTD = FanOut.apply(x0_BTD, L + 1, self.add_gradients)
@@ -219,7 +231,7 @@ class GPT(nn.Module):
             if i >= L - num_skips:  # second half: add the mirrored first-half output (U-net)
                 x_BTD = SkipAdd.apply(x_BTD, skips.pop(), self.skip_weights[i - (L - num_skips)])
             ve_index = cfg.value_embed_index(i)
-            ve_BTA = None if ve_index is None else ves_BTA[ve_index]
+            ve_BTA = None if ve_index is None else ves_BTA[ve_index].pop()
             mask = masks[cfg.is_short_window(i)]
             x_BTD, v_BTHd = block(x_BTD, x0s_BTD[i], v_first_BTHd, ve_BTA, cos_TP, sin_TP, mask)
             if v_BTHd is not None:  # block 0's values, with the value residual on
@@ -239,10 +251,10 @@ class GPT(nn.Module):
         return masks, *rotary_tables(inputs_BT.size(1), cfg.head_dim, cfg.rope_base, inputs_BT.device)
 
     def embed_inputs(self, inputs_BT: Tensor) -> list[Tensor]:
-        """[x0 (B, T, D), then each value embedding (B, T, A)] in compute_dtype; x0 is normed. The value embeddings'
-        rows are looked up detached: TableRows gives them their gradient (hidden_states)."""
-        return [norm(self.embed(inputs_BT).to(self.compute_dtype)),
-                *(F.embedding(inputs_BT, emb.weight.detach()).to(self.compute_dtype) for emb in self.value_embeds)]
+        """[the embedding's rows (B, T, D), then each value embedding's (B, T, A)] in compute_dtype, looked up
+        detached: TableRows gives them their gradient (hidden_states)."""
+        return [F.embedding(inputs_BT, emb.weight.detach()).to(self.compute_dtype)
+                for emb in (self.embed, *self.value_embeds)]
 
     def logits(self, inputs_BT: Tensor, window: Tensor) -> Tensor:
         """Capped fp32 logits (B, T, V), for sampling, evaluation and tests."""

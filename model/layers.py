@@ -280,34 +280,49 @@ class FanOut(torch.autograd.Function):
         return ctx.add(present) if present else None, None, None
 
 
-def add_rows(out_VA: Tensor, ids_N: Tensor, grad_NA: Tensor) -> None:
-    """out[ids[n]] += grad[n] in place, by torch ops: TableRows' path off CUDA and the reference of
-    model/embed_kernels.py's kernel of the same name."""
-    out_VA.index_add_(0, ids_N.long(), grad_NA.to(out_VA.dtype))
+def sort_ids(ids_BT: Tensor) -> tuple[Tensor, Tensor]:
+    """(sorted ids, order) (N,) of a micro-batch's flattened token ids, ids.flatten()[order] = sorted ids: the order
+    in which TableRows' backward walks the rows (one sort for all tables)."""
+    return torch.sort(ids_BT.flatten())
+
+
+def add_rows(out_VA: Tensor, sorted_ids_N: Tensor, order_N: Tensor, grads_NA: list[Tensor]) -> None:
+    """out[sorted_ids[i]] += the sum of the grads' rows order[i] (summed in fp32) in place, by torch ops: TableRows'
+    path off CUDA and the reference of model/embed_kernels.py's kernel of the same name."""
+    total_NA = grads_NA[0].float()
+    for g in grads_NA[1:]:
+        total_NA = total_NA + g.float()
+    out_VA.index_add_(0, sorted_ids_N.long(), total_NA[order_N.long()].to(out_VA.dtype))
 
 
 class TableRows(torch.autograd.Function):
-    """Rows of an embedding `table` at `ids`, looked up outside autograd (detached, in any dtype), as a tensor whose
-    gradient the backward adds straight into table.grad (made as zeros when it is None); nothing else is returned
-    to autograd for the table, so it never makes a table-sized gradient per micro-batch (model/embed_kernels.py
-    says what that cost). So the gradient shows only in table.grad: to torch.autograd.grad(loss, table) the table
-    looks unused (and the backward adds into table.grad all the same), and the table's gradient hooks do not run."""
+    """Rows of an embedding `table`, looked up outside autograd (detached, in any dtype), as `readers` views of them,
+    one per reader, whose gradients the backward adds straight into table.grad (made as zeros when it is None),
+    summed as it adds them; nothing else is returned to autograd for the table, so it never makes a table-sized
+    gradient per micro-batch (model/embed_kernels.py says what that cost), nor sums the readers' gradients in a
+    tensor of their own. So the gradient shows only in table.grad: to torch.autograd.grad(loss, table) the table
+    looks unused (and the backward adds into table.grad all the same), and the table's gradient hooks do not run.
+    `sorted_ids`, `order`: the micro-batch's ids as sort_ids returns them. On CUDA at most two readers (each value
+    embedding has two)."""
 
     @staticmethod
-    def forward(ctx, rows_BTA: Tensor, table_VA: Tensor, ids_BT: Tensor) -> Tensor:
+    def forward(ctx, rows_BTA: Tensor, table_VA: Tensor, sorted_ids_N: Tensor, order_N: Tensor,
+                readers: int) -> tuple[Tensor, ...]:
         ctx.table = table_VA
-        ctx.save_for_backward(ids_BT)
-        return rows_BTA.view_as(rows_BTA)
+        ctx.set_materialize_grads(False)  # a reader the loss does not depend on sends None, not zeros
+        ctx.save_for_backward(sorted_ids_N, order_N)
+        return tuple(rows_BTA.view_as(rows_BTA) for _ in range(readers))
 
     @staticmethod
-    def backward(ctx, grad_BTA: Tensor):
-        (ids_BT,), table = ctx.saved_tensors, ctx.table
+    def backward(ctx, *grads_BTA: Tensor | None):
+        (sorted_ids_N, order_N), table = ctx.saved_tensors, ctx.table
         if table.grad is None:
             table.grad = torch.zeros_like(table)
-        on_kernels = grad_BTA.is_cuda and embed_kernels is not None
-        (embed_kernels.add_rows if on_kernels else add_rows)(table.grad, ids_BT.flatten(),
-                                                              grad_BTA.flatten(0, -2).contiguous())
-        return None, None, None
+        present = [g.flatten(0, -2).contiguous() for g in grads_BTA if g is not None]
+        if present:
+            on_kernels = present[0].is_cuda and embed_kernels is not None
+            (embed_kernels.add_rows if on_kernels else add_rows)(table.grad, sorted_ids_N, order_N, present)
+        return None, None, None, None, None
 
 
 class Block(nn.Module):

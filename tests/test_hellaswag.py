@@ -146,8 +146,8 @@ def test_a_compiled_model_scores_without_compiling_new_shapes():
             model(inputs, inputs, torch.tensor(128))  # validation's
         trained = len(graphs)
         assert hellaswag.evaluate_hellaswag(model, CPU, path=str(TINY_FILE)) == expected
-    # the blocks' patterns, the embeddings, the masks and the head, in both modes, and x0's gradient sum
-    assert trained == 3 * 2 + 3 * 2 + 1
+    # the blocks' patterns, the embeddings, x0's norm, the masks and the head, in both modes, and x0's gradient sum
+    assert trained == 3 * 2 + 4 * 2 + 1
     assert len(graphs) == trained
 
 

@@ -349,9 +349,9 @@ def test_compiled_attention_inputs_equal_eager():
 ])
 def test_compiled_regions_compile_one_graph_per_block_pattern(parts, graphs):
     """compile_regions: training and validation together compile one block graph per presence pattern and mode,
-    the embeddings, the masks and the head once per mode, x0's gradient sum once; no recompile for the first block,
-    whose x starts as x0 (aliased inputs would be a pattern of their own), and none past dynamo's limit (a
-    fullgraph failure)."""
+    the embeddings, x0's norm, the masks and the head once per mode, x0's gradient sum once; no recompile for the
+    first block, whose x starts as x0 (aliased inputs would be a pattern of their own), and none past dynamo's limit
+    (a fullgraph failure)."""
     config = dataclasses.replace(TINY, num_layers=6, num_value_embeds=2, **parts)
     model = tiny_model(config)
     inputs, targets = batch()
@@ -360,8 +360,8 @@ def test_compiled_regions_compile_one_graph_per_block_pattern(parts, graphs):
         with torch.no_grad():
             model(inputs, targets, torch.tensor(T))
     blocks = [gm for gm in traced if "lambdas" in gm.code]  # every block mixes x0 in; the masks are "block" too
-    # + embeddings, masks and head, each for training and validation, and x0's gradient sum (training only)
-    assert len(traced) == graphs + 7
+    # + embeddings, x0's norm, masks and head, each for training and validation, and x0's gradient sum (training)
+    assert len(traced) == graphs + 9
     assert len(blocks) == graphs
 
 
@@ -402,8 +402,9 @@ class PlainRows:
     """TableRows' reference: the rows looked up again, through autograd."""
 
     @staticmethod
-    def apply(rows_BTA, table_VA, ids_BT):
-        return F.embedding(ids_BT, table_VA).to(rows_BTA.dtype)
+    def apply(rows_BTA, table_VA, sorted_ids_N, order_N, readers):
+        ids_BT = torch.empty_like(sorted_ids_N).index_copy_(0, order_N, sorted_ids_N).view(rows_BTA.shape[:-1])
+        return (F.embedding(ids_BT, table_VA).to(rows_BTA.dtype),) * readers
 
 
 class PlainFanOut:
@@ -415,9 +416,10 @@ class PlainFanOut:
 
 
 def test_routed_gradients_equal_plain_autograd(monkeypatch):
-    """TableRows (value embeddings' gradients added into the tables' .grad) and FanOut (x0's gradients summed in one
-    call) only route gradients: over two micro-batches, each parameter's accumulated gradient equals plain
-    autograd's, where the blocks read x0 itself and the value embeddings are looked up through autograd."""
+    """TableRows (the embeddings' gradients added into the tables' .grad, each value embedding's two readers summed
+    as they are added) and FanOut (x0's gradients summed in one call) only route gradients: over two micro-batches,
+    each parameter's accumulated gradient equals plain autograd's, where the blocks read x0 itself and every table
+    is looked up through autograd."""
     model = tiny_model(dataclasses.replace(TINY, num_value_embeds=2), random=True)
     micro_batches = [batch(seed=0), batch(seed=1)]
 
@@ -434,4 +436,4 @@ def test_routed_gradients_equal_plain_autograd(monkeypatch):
     assert routed.keys() == plain.keys()
     for name, grad in plain.items():
         torch.testing.assert_close(routed[name], grad, rtol=1e-5, atol=1e-6, msg=name)
-    assert all(emb.weight.grad.abs().sum() > 0 for emb in model.value_embeds)
+    assert all(emb.weight.grad.abs().sum() > 0 for emb in (model.embed, *model.value_embeds))
