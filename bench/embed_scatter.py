@@ -1,13 +1,14 @@
-"""The value embeddings' backward at the training size: model/embed_kernels.py's add_rows (one program per token
-row, atomic adds) against a prototype that first sorts the ids, sums each run of equal ids in registers and adds
-only the sums (fewer atomics, none on the same address from thousands of rows of one token).
+"""The value embeddings' backward at the training size: f8bbdeb's add_rows (one program per token row, one atomic
+add each; model/embed_kernels.py's kernel until 0ed78a8, kept here as the baseline) against a prototype that first
+sorts the ids, sums each run of equal ids in registers and adds only the sums (fewer atomics, none on the same
+address from thousands of rows of one token): the kernel that model/embed_kernels.py has now.
 
     python -m bench.embed_scatter --out X.json --shard /tmp/proxy/fineweb_train_000001.bin
 
 Each value-embedding table has two readers (a first and a last layer), so autograd sums two (N, A) gradients
 before TableRows' backward scatters them. The "pair" rows time that add plus the scatter, against the prototype
 reading both gradients itself. Ids come from the shard (the first 49,152 tokens) and, for contrast, uniformly at
-random. Each result is compared with the current kernel's table, which adds the pair summed in bf16.
+random. Each result is compared with the baseline's table, which adds the pair summed in bf16.
 
 Measured on the H200 (bench/results/embed_scatter_1xH200.json), in CUDA graphs, the sort included in the prototype:
 - The proxy shard's first micro-batch holds 2,318 distinct ids, one of them (a file of code) 16,929 times. There,
@@ -15,9 +16,11 @@ Measured on the H200 (bench/results/embed_scatter_1xH200.json), in CUDA graphs, 
 - Uniform ids: add_rows 108 us, the pair 162 us; the prototype 136-148 us, the pair 148-152 us. So the gain is in
   the repeats, and text repeats tokens (in the training step: 193.7 us a table before, 47.8 us a call after,
   kernels_step28_1xH200_f8bbdeb.txt against kernels_step28_1xH200_gate_sum_experiment.txt).
-- The difference from the current kernel's table is up to 1.0 on the shard's ids and 0.038 on uniform ones: the
+- The difference from the baseline's table is up to 1.0 on the shard's ids and 0.038 on uniform ones: the
   reference's bf16 sum of the pair, rounded once per row and summed over 16,929 rows; tests/test_embed.py checks
   the model's kernel against fp64.
+The prototype was measured as a copy of the kernel in this file; model/embed_kernels.py's, which this now launches,
+compiles to the same PTX for sm_90 but for the place of one multiplication (compiled offline).
 """
 import argparse
 import json
@@ -35,36 +38,29 @@ N, V, A = 49152, 50304, 768
 
 
 @triton.jit
-def _add_sorted_rows_kernel(grad_a_ptr, grad_b_ptr, order_ptr, sorted_ids_ptr, out_ptr, N, width,
-                            ROWS: tl.constexpr, BLOCK: tl.constexpr, PAIR: tl.constexpr):
-    start = tl.program_id(0) * ROWS
+def _add_rows_kernel(grad_ptr, ids_ptr, out_ptr, width, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < width
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    prev = tl.load(sorted_ids_ptr + start).to(tl.int64)
-    for j in range(ROWS):
-        pos = start + j
-        valid = pos < N
-        token = tl.load(sorted_ids_ptr + pos, mask=valid, other=-1).to(tl.int64)
-        src = tl.load(order_ptr + pos, mask=valid, other=0).to(tl.int64)
-        g = tl.load(grad_a_ptr + src * width + cols, mask=inside & valid, other=0.0).to(tl.float32)
-        if PAIR:
-            g += tl.load(grad_b_ptr + src * width + cols, mask=inside & valid, other=0.0).to(tl.float32)
-        changed = token != prev
-        tl.atomic_add(out_ptr + prev * width + cols, acc, mask=inside & changed, sem="relaxed")
-        acc = tl.where(changed, g, acc + g)
-        prev = token
-    tl.atomic_add(out_ptr + prev * width + cols, acc, mask=inside & (prev >= 0), sem="relaxed")
+    token = tl.load(ids_ptr + row).to(tl.int64)
+    g = tl.load(grad_ptr + row * width + cols, mask=inside).to(tl.float32)
+    tl.atomic_add(out_ptr + token * width + cols, g, mask=inside, sem="relaxed")
+
+
+def add_rows(out, ids, grad):
+    """The baseline: out[ids[n]] += grad[n], one program per row."""
+    _add_rows_kernel[(ids.size(0),)](grad, ids, out, out.size(1), BLOCK=triton.next_power_of_2(out.size(1)),
+                                     num_warps=4)
 
 
 def add_sorted_rows(out, ids, grad_a, grad_b=None, rows=32, warps=4):
+    """The sort, then model/embed_kernels.py's kernel at the given rows per program and warps."""
     order = torch.argsort(ids)
     sorted_ids = ids[order]
     n, width = grad_a.shape
-    _add_sorted_rows_kernel[(triton.cdiv(n, rows),)](grad_a, grad_a if grad_b is None else grad_b, order,
-                                                     sorted_ids, out, n, width, ROWS=rows,
-                                                     BLOCK=triton.next_power_of_2(width), PAIR=grad_b is not None,
-                                                     num_warps=warps)
+    embed_kernels._add_sorted_rows_kernel[(triton.cdiv(n, rows),)](
+        grad_a, grad_a if grad_b is None else grad_b, order, sorted_ids, out, n, width, ROWS=rows,
+        BLOCK=triton.next_power_of_2(width), PAIR=grad_b is not None, num_warps=warps)
 
 
 def main():
@@ -80,11 +76,11 @@ def main():
     results = {"unique_text_ids": int(text_ids.unique().numel()),
                "top_text_id_count": int(torch.bincount(text_ids.long()).max())}
     for name, ids in (("text", text_ids), ("random", random_ids)):
-        results[f"{name}/add_rows"] = graph_ms(lambda: embed_kernels.add_rows(table, ids, grad_a))
-        results[f"{name}/pair: add + add_rows"] = graph_ms(lambda: embed_kernels.add_rows(table, ids, grad_a + grad_b))
+        results[f"{name}/add_rows"] = graph_ms(lambda: add_rows(table, ids, grad_a))
+        results[f"{name}/pair: add + add_rows"] = graph_ms(lambda: add_rows(table, ids, grad_a + grad_b))
         results[f"{name}/argsort"] = graph_ms(lambda: torch.argsort(ids))
         want = torch.zeros(V, A, device="cuda")
-        embed_kernels.add_rows(want, ids, grad_a + grad_b)
+        add_rows(want, ids, grad_a + grad_b)
         for rows in (8, 16, 32, 64):
             for warps in (2, 4):
                 results[f"{name}/sorted rows={rows} warps={warps}"] = graph_ms(
