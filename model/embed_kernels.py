@@ -1,4 +1,4 @@
-"""The Triton kernel of the value embeddings' backward (model/layers.py, TableRows) on CUDA: it adds the token rows'
+"""The Triton kernel of the embeddings' backward (model/layers.py, TableRows) on CUDA: it adds the token rows'
 gradients into their table's fp32 gradient, in place, each token's rows summed first.
 
 Through autograd, each micro-batch's table gradient was a new tensor: zero-filled (33.6 us a table), scattered into
