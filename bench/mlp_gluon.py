@@ -29,7 +29,7 @@ def main():
 
     x, w1, w2, grad_y, h = training_problem()
     want = {"forward": h.float(), "backward": layers.relu2_matmul_grad(grad_y, w2, h).float()}
-    operands = {"forward": (x, w1, None), "backward": (grad_y, w2, h)}
+    operands = {"forward": (x, w1, None, mlp_kernels.RELU2), "backward": (grad_y, w2, h, mlp_kernels.RELU2_GRAD)}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "cublas_product_ms": graph_ms(lambda: x @ w1),

@@ -38,19 +38,20 @@ def checked_row(side: str, call, want, timer) -> dict:
     return {f"{side}_max_err_of_max": err, f"{side}_ms": ms, f"{side}_tflops": tflops(ms)}
 
 
-def plain_mlp(x, w1, w2):
-    """The MLP as model/layers.py wrote it before ReLU2MLP: autograd and inductor through torch ops."""
-    return F.relu(x @ w1).square() @ w2.t()
+def plain_mlp(x, w1, w2, r):
+    """The MLP added to the residual stream r as model/layers.py wrote it before ReLU2MLP: autograd and inductor
+    through torch ops."""
+    return r + F.relu(x @ w1).square() @ w2.t()
 
 
-def fused_mlp(x, w1, w2):
-    return layers.ReLU2MLP.apply(x, w1, w2)
+def fused_mlp(x, w1, w2, r):
+    return layers.ReLU2MLP.apply(x, w1, w2, r)
 
 
-def forward_backward(fn, x, w1, w2, grad_y):
+def forward_backward(fn, x, w1, w2, r, grad_y):
     """One call of fn and its backward on fresh leaves: what a block's MLP costs per micro-batch."""
     def run():
-        leaves = [t.detach().requires_grad_() for t in (x, w1, w2)]
+        leaves = [t.detach().requires_grad_() for t in (x, w1, w2, r)]
         fn(*leaves).backward(grad_y)
     return run
 
@@ -91,7 +92,8 @@ def main():
         result[f"{side}_tflops"] = tflops(result[f"{side}_ms"])
     for name, fn in (("plain", plain_mlp), ("fused", fused_mlp)):
         compiled = torch.compile(fn, dynamic=False)
-        result[f"mlp_forward_backward_{name}_compiled_ms"] = median_ms(forward_backward(compiled, x, w1, w2, grad_y))
+        result[f"mlp_forward_backward_{name}_compiled_ms"] = median_ms(forward_backward(compiled, x, w1, w2, x,
+                                                                                        grad_y))
     print(json.dumps(result, indent=1))
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -13,6 +13,7 @@ F = mlp_ratio * D MLP width, P = d // 2 rotary pairs, G = D / 64 gate channels (
 """
 
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -183,27 +184,37 @@ def relu2_matmul_grad(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor) -> Tensor:
     return (grad_y_MK @ w_KN) * (2.0 * h_MN.sqrt())
 
 
+def matmul_add(h_MK: Tensor, w_NK: Tensor, r_MN: Tensor) -> Tensor:
+    """r + h @ w^T, the MLP's output added to the residual stream r, by torch ops: ReLU2MLP's path off CUDA and the
+    reference of model/mlp_kernels.py's kernel of the same name (which rounds the sum once, not the product first)."""
+    return r_MN + h_MK @ w_NK.t()
+
+
+# ReLU2MLP's ops off the kernels: the torch functions above, under the kernels' names
+TORCH_OPS = SimpleNamespace(relu2_matmul=relu2_matmul, relu2_matmul_grad=relu2_matmul_grad, matmul_add=matmul_add)
+
+
 class ReLU2MLP(torch.autograd.Function):
-    """y = relu(x @ W1)^2 @ W2^T for x (M, D) and W1, W2 (D, F) in x's dtype, keeping only x, the weights and the
-    hidden h = relu(x @ W1)^2 for backward. On Hopper GPUs the two products that make or use the (M, F) hidden
-    tensor run in the Gluon kernels of model/mlp_kernels.py, with the ReLU² in their epilogues; elsewhere in the
-    torch ops above (same names, same results)."""
+    """r + relu(x @ W1)^2 @ W2^T for x (M, D), W1, W2 (D, F) in x's dtype and the residual stream r (M, D), keeping
+    only x, the weights and the hidden h = relu(x @ W1)^2 for backward. On Hopper GPUs all three products that make
+    or use the (M, F) hidden tensor run in the Gluon kernels of model/mlp_kernels.py, with the ReLU² and the residual's
+    add in their epilogues; elsewhere in the torch ops above (same names, same results)."""
 
     @staticmethod
-    def forward(ctx, x_MD: Tensor, fc_DF: Tensor, proj_DF: Tensor) -> Tensor:
+    def forward(ctx, x_MD: Tensor, fc_DF: Tensor, proj_DF: Tensor, r_MD: Tensor) -> Tensor:
         on_kernels = mlp_kernels is not None and mlp_kernels.supports(x_MD, fc_DF)
-        h_MF = (mlp_kernels.relu2_matmul if on_kernels else relu2_matmul)(x_MD, fc_DF)
+        ops = mlp_kernels if on_kernels else TORCH_OPS
+        h_MF = ops.relu2_matmul(x_MD, fc_DF)
         ctx.save_for_backward(x_MD, fc_DF, proj_DF, h_MF)
         ctx.on_kernels = on_kernels
-        return h_MF @ proj_DF.t()
+        return ops.matmul_add(h_MF, proj_DF, r_MD)
 
     @staticmethod
     def backward(ctx, grad_y_MD: Tensor):
         x_MD, fc_DF, proj_DF, h_MF = ctx.saved_tensors
         grad_y_MD = grad_y_MD.contiguous()
-        grad_pre_MF = (mlp_kernels.relu2_matmul_grad if ctx.on_kernels else relu2_matmul_grad)(grad_y_MD, proj_DF,
-                                                                                             h_MF)
-        return grad_pre_MF @ fc_DF.t(), x_MD.t() @ grad_pre_MF, grad_y_MD.t() @ h_MF
+        grad_pre_MF = (mlp_kernels if ctx.on_kernels else TORCH_OPS).relu2_matmul_grad(grad_y_MD, proj_DF, h_MF)
+        return grad_pre_MF @ fc_DF.t(), x_MD.t() @ grad_pre_MF, grad_y_MD.t() @ h_MF, grad_y_MD
 
 
 class MLP(nn.Module):
@@ -219,9 +230,11 @@ class MLP(nn.Module):
         _uniform_(self.fc_w, 0.5 * self.fc_w.size(0) ** -0.5)  # std 0.5 / sqrt(fan_in): modded-nanogpt
         nn.init.zeros_(self.proj_w)  # zero-init output projection (modded-nanogpt)
 
-    def forward(self, x_BTD: Tensor) -> Tensor:
+    def forward(self, x_BTD: Tensor, residual_BTD: Tensor) -> Tensor:
+        """residual + the MLP of x: the residual stream after the MLP."""
         x_MD = x_BTD.flatten(0, 1)
-        y_MD = ReLU2MLP.apply(x_MD, self.fc_w.type_as(x_MD), self.proj_w.type_as(x_MD))
+        y_MD = ReLU2MLP.apply(x_MD, self.fc_w.type_as(x_MD), self.proj_w.type_as(x_MD),
+                              residual_BTD.flatten(0, 1).contiguous())
         return y_MD.view_as(x_BTD)
 
 
@@ -364,5 +377,5 @@ class Block(nn.Module):
         else:
             x_BTD = x0_mix(x_BTD, x0_BTD, self.lambdas)
         if self.mlp is not None:
-            x_BTD = x_BTD + self.mlp(norm(x_BTD))
+            x_BTD = self.mlp(norm(x_BTD), x_BTD)
         return x_BTD, v_BTHd if self.shares_values else None

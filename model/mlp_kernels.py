@@ -1,5 +1,5 @@
-"""Gluon kernels of the MLP (model/layers.py, ReLU2MLP) on Hopper GPUs: its two (tokens x hidden) products, each
-with the ReLU² step in the product's epilogue.
+"""Gluon kernels of the MLP (model/layers.py, ReLU2MLP) on Hopper GPUs: its three products that make or read the
+(tokens x hidden) tensor, each with the step after it in the product's epilogue.
 
 Forward, h = relu(x @ W1)^2; backward, the pre-activation's gradient (grad_y @ W2) * 2 relu(pre). Compiled from
 torch ops, each product wrote its (tokens x hidden) result and a second kernel read it back to apply the ReLU²:
@@ -27,11 +27,19 @@ tile's first operands are in flight during this tile's epilogue. One warpgroup i
 and keeps one in flight: when it has waited for the one before, that one's slot is free for the next load. The
 epilogue stores through shared memory by TMA, and waits for the previous tile's store only before overwriting it.
 
-Both directions are torch.library custom ops: torch.compile cannot trace Gluon kernels (its user-kernel support
+The third kernel, matmul_add, is the MLP's second product with the residual stream's add in its epilogue: out = r +
+h @ W2^T, r's tile asked for by TMA as the backward's h is, the weight read as stored, (D, F) (B_K_CONTIGUOUS).
+Before it, cuBLAS's product wrote the MLP's output and an inductor kernel read it back with r to write their sum:
+0.3338 ms per call (the product alone 0.2893), against 0.3109 here (bench/results/mlp_add_1xH200.json, CUDA graphs;
+88 calls per step). Its sum is rounded once, not the product first. One kernel serves all three (_matmul_kernel,
+EPILOGUE).
+
+The three are torch.library custom ops: torch.compile cannot trace Gluon kernels (its user-kernel support
 rewrites Triton source), so inductor calls them as opaque kernels. They run on compute capability 9 only (the
 warpgroup MMA is Hopper's); elsewhere ReLU2MLP runs the torch ops (supports()).
 
-Shape legend: M tokens, K model dim, N hidden dim.
+Shape legend: M tokens, K the product's inner dim, N its output dim (forward: K model dim, N hidden dim; matmul_add
+the other way round).
 """
 import functools
 
@@ -44,8 +52,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps), the fastest for both directions of 8 in
-# bench/results/mlp_gluon_1xH200.json: 5 stages of 128 x 64 and 64 x 128 operand tiles, one output and one h tile
-# take 224 KB of the SM's 227 KB of shared memory
+# bench/results/mlp_gluon_1xH200.json, and for matmul_add of 4 in bench/results/mlp_add_1xH200.json: 5 stages of
+# 128 x 64 and 64 x 128 operand tiles, one output and one h (or residual) tile take 224 KB of the SM's 227 KB of
+# shared memory
 CONFIG = (128, 128, 64, 5, 4)
 
 
@@ -72,12 +81,12 @@ def _issue_loads(a_desc, b_desc, a_bufs, b_bufs, ready, i, total, start, step, t
 
 
 @gluon.jit
-def _issue_h(h_desc, h_smem, h_bar, tile, tiles_n, pred):
-    """The TMA load of the h tile of output tile `tile` into h_smem, if pred."""
-    BLOCK_M: gl.constexpr = h_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = h_desc.block_type.shape[1]
-    mbarrier.expect(h_bar, h_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(h_desc, [(tile // tiles_n) * BLOCK_M, (tile % tiles_n) * BLOCK_N], h_bar, h_smem,
+def _issue_tile(t_desc, t_smem, t_bar, tile, tiles_n, pred):
+    """The TMA load of the t tile (h, or the residual) of output tile `tile` into t_smem, if pred."""
+    BLOCK_M: gl.constexpr = t_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = t_desc.block_type.shape[1]
+    mbarrier.expect(t_bar, t_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(t_desc, [(tile // tiles_n) * BLOCK_M, (tile % tiles_n) * BLOCK_N], t_bar, t_smem,
                                     pred)
 
 
@@ -93,17 +102,25 @@ def _ring(a_desc, b_desc, STAGES: gl.constexpr):
     return a_bufs, b_bufs, ready
 
 
+# The kernel's epilogues (launch's `epilogue`): what it makes of the product acc = A @ B and, in the last two, of a
+# tile t of a fourth tensor
+RELU2 = 0  # relu(acc)^2: the MLP's hidden h
+RELU2_GRAD = 1  # acc * 2 sqrt(t), t = h: the pre-activation's gradient
+ADD = 2  # acc + t, t = the residual stream: the MLP's output added to it
+_RELU2, _RELU2_GRAD = gl.constexpr(RELU2), gl.constexpr(RELU2_GRAD)  # as the kernel reads them (globals are constexpr)
+
+
 @gluon.jit
-def _relu2_matmul_kernel(a_desc, b_desc, out_desc, h_desc, ACC_LAYOUT: gl.constexpr, KSTEPS: gl.constexpr,
-                         STAGES: gl.constexpr, BACKWARD: gl.constexpr):
-    """out = relu(A @ B)^2 (forward), or (A @ B) * 2 sqrt(h) (BACKWARD: A = grad_y, B = W2, h the forward's
-    output), in out's dtype; h_desc is not read in the forward. Tiles past an edge read zeros and store nothing
-    there (TMA)."""
+def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, ACC_LAYOUT: gl.constexpr, KSTEPS: gl.constexpr,
+                   STAGES: gl.constexpr, EPILOGUE: gl.constexpr, B_K_CONTIGUOUS: gl.constexpr):
+    """out = EPILOGUE(A @ B) in out's dtype; t_desc is read only by the epilogues that take a tile (RELU2_GRAD,
+    ADD). B is (K, N), or (N, K) with B_K_CONTIGUOUS. Tiles past an edge read zeros and store nothing there (TMA)."""
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+    READS_TILE: gl.constexpr = EPILOGUE != _RELU2
     dtype: gl.constexpr = a_desc.dtype
-    tiles_n = gl.cdiv(b_desc.shape[1], BLOCK_N)
-    tiles = gl.cdiv(a_desc.shape[0], BLOCK_M) * tiles_n
+    tiles_n = gl.cdiv(out_desc.shape[1], BLOCK_N)
+    tiles = gl.cdiv(out_desc.shape[0], BLOCK_M) * tiles_n
     start = gl.program_id(0)
     step = gl.num_programs(0)
     my_tiles = gl.cdiv(tiles - start, step)
@@ -111,13 +128,14 @@ def _relu2_matmul_kernel(a_desc, b_desc, out_desc, h_desc, ACC_LAYOUT: gl.conste
 
     a_bufs, b_bufs, ready = _ring(a_desc, b_desc, STAGES)
     out_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
-    if BACKWARD:
-        h_smem = gl.allocate_shared_memory(dtype, h_desc.block_type.shape, h_desc.layout)
-        h_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(h_bar, count=1)
-        _issue_h(h_desc, h_smem, h_bar, start, tiles_n, my_tiles > 0)
+    if READS_TILE:
+        t_smem = gl.allocate_shared_memory(dtype, t_desc.block_type.shape, t_desc.layout)
+        t_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(t_bar, count=1)
+        _issue_tile(t_desc, t_smem, t_bar, start, tiles_n, my_tiles > 0)
     for i in gl.static_range(STAGES - 1):
-        _issue_loads(a_desc, b_desc, a_bufs, b_bufs, ready, i, total, start, step, tiles_n, KSTEPS, STAGES)
+        _issue_loads(a_desc, b_desc, a_bufs, b_bufs, ready, i, total, start, step, tiles_n, KSTEPS, STAGES,
+                     B_K_CONTIGUOUS)
 
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=ACC_LAYOUT)
     i = 0
@@ -127,19 +145,26 @@ def _relu2_matmul_kernel(a_desc, b_desc, out_desc, h_desc, ACC_LAYOUT: gl.conste
         for kstep in range(KSTEPS):
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot), acc, use_acc=kstep != 0, is_async=True)
+            if B_K_CONTIGUOUS:  # the (N, K) tile read as (K, N): the MMA reads shared memory either way
+                b_tile = b_bufs.index(slot).permute((1, 0))
+            else:
+                b_tile = b_bufs.index(slot)
+            acc = warpgroup_mma(a_bufs.index(slot), b_tile, acc, use_acc=kstep != 0, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc, ))  # the previous product is done: its slot is free
             _issue_loads(a_desc, b_desc, a_bufs, b_bufs, ready, i + STAGES - 1, total, start, step, tiles_n, KSTEPS,
-                         STAGES)
+                         STAGES, B_K_CONTIGUOUS)
             i += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         tile = start + local * step
-        if BACKWARD:
-            mbarrier.wait(h_bar, local & 1)
-            h = h_smem.load(ACC_LAYOUT).to(gl.float32)
-            gl.thread_barrier()  # every warp has read h_smem before the next tile's h may overwrite it
-            _issue_h(h_desc, h_smem, h_bar, tile + step, tiles_n, local + 1 < my_tiles)
-            out = acc * (2.0 * gl.sqrt(h))
+        if READS_TILE:
+            mbarrier.wait(t_bar, local & 1)
+            t = t_smem.load(ACC_LAYOUT).to(gl.float32)
+            gl.thread_barrier()  # every warp has read t_smem before the next tile's t may overwrite it
+            _issue_tile(t_desc, t_smem, t_bar, tile + step, tiles_n, local + 1 < my_tiles)
+            if EPILOGUE == _RELU2_GRAD:
+                out = acc * (2.0 * gl.sqrt(t))
+            else:
+                out = acc + t
         else:
             relu = gl.maximum(acc, 0.0)
             out = relu * relu
@@ -150,12 +175,13 @@ def _relu2_matmul_kernel(a_desc, b_desc, out_desc, h_desc, ACC_LAYOUT: gl.conste
     tma.store_wait(pendings=0)
 
 
-def supports(a_MK: Tensor, b_KN: Tensor) -> bool:
-    """Whether the kernels take these operands: contiguous bf16 on a Hopper GPU (compute capability 9), with K and N
-    multiples of 8 (TMA wants 16-byte aligned rows)."""
+def supports(a_MK: Tensor, b: Tensor) -> bool:
+    """Whether the kernels take these operands: contiguous bf16 on a Hopper GPU (compute capability 9), with every
+    dimension of the weight b ((K, N), or (N, K) for ADD) and A's K a multiple of 8 (TMA wants 16-byte aligned
+    rows)."""
     return (a_MK.is_cuda and torch.cuda.get_device_properties(a_MK.device).major == 9
-            and a_MK.dtype == b_KN.dtype == torch.bfloat16 and a_MK.is_contiguous() and b_KN.is_contiguous()
-            and a_MK.size(1) % 8 == 0 and b_KN.size(1) % 8 == 0)
+            and a_MK.dtype == b.dtype == torch.bfloat16 and a_MK.is_contiguous() and b.is_contiguous()
+            and a_MK.size(1) % 8 == 0 and b.size(0) % 8 == 0 and b.size(1) % 8 == 0)
 
 
 @functools.cache
@@ -167,29 +193,34 @@ def _descriptor(t: Tensor, block: tuple[int, int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, list(block), _shared_layout(block))
 
 
-def launch(a_MK: Tensor, b_KN: Tensor, h_MN: Tensor | None, config: tuple[int, ...] = CONFIG) -> Tensor:
-    """The kernel on new output: the backward when h_MN is given, else the forward. config as CONFIG."""
-    torch._check(supports(a_MK, b_KN), lambda: "the MLP kernels take contiguous bf16 operands on a Hopper GPU, with "
-                                                 "K and N multiples of 8 (model.mlp_kernels.supports)")
-    (M, K), N = a_MK.shape, b_KN.size(1)
+def launch(a_MK: Tensor, b: Tensor, t_MN: Tensor | None, epilogue: int, config: tuple[int, ...] = CONFIG) -> Tensor:
+    """The kernel on new output, EPILOGUE(a @ B): B = b (K, N) for RELU2 and RELU2_GRAD, B = b.t() for ADD (b is
+    then the (N, K) weight as stored); t_MN is the epilogue's tile source (None for RELU2). config as CONFIG."""
+    torch._check(supports(a_MK, b), lambda: "the MLP kernels take contiguous bf16 operands on a Hopper GPU, with K "
+                                            "and N multiples of 8 (model.mlp_kernels.supports)")
+    torch._check((t_MN is None) == (epilogue == RELU2), lambda: "RELU2 reads no tile; the other epilogues need one")
+    b_k_contiguous = epilogue == ADD
+    (M, K), N = a_MK.shape, b.size(0 if b_k_contiguous else 1)
+    torch._check(b.size(1 if b_k_contiguous else 0) == K, lambda: f"the weight {tuple(b.shape)} does not take K={K}")
     block_m, block_n, block_k, stages, warps = config
     out_MN = torch.empty((M, N), dtype=a_MK.dtype, device=a_MK.device)
     out_desc = _descriptor(out_MN, (block_m, block_n))
-    h_desc = out_desc if h_MN is None else _descriptor(h_MN, (block_m, block_n))
+    t_desc = out_desc if t_MN is None else _descriptor(t_MN, (block_m, block_n))
+    b_desc = _descriptor(b, (block_n, block_k) if b_k_contiguous else (block_k, block_n))
     tiles = -(-M // block_m) * -(-N // block_n)
     programs = min(tiles, torch.cuda.get_device_properties(a_MK.device).multi_processor_count)
     # the accumulator as the warpgroup MMA leaves it: warps stacked along M, one instruction spanning the tile's N
     acc_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_n, 16])
-    _relu2_matmul_kernel[(programs,)](
-        _descriptor(a_MK, (block_m, block_k)), _descriptor(b_KN, (block_k, block_n)), out_desc, h_desc,
-        ACC_LAYOUT=acc_layout, KSTEPS=-(-K // block_k), STAGES=stages, BACKWARD=h_MN is not None, num_warps=warps)
+    _matmul_kernel[(programs,)](
+        _descriptor(a_MK, (block_m, block_k)), b_desc, out_desc, t_desc, ACC_LAYOUT=acc_layout,
+        KSTEPS=-(-K // block_k), STAGES=stages, EPILOGUE=epilogue, B_K_CONTIGUOUS=b_k_contiguous, num_warps=warps)
     return out_MN
 
 
 @torch.library.custom_op("speedrun::relu2_matmul", mutates_args=())
 def relu2_matmul(x_MK: Tensor, w_KN: Tensor) -> Tensor:
     """relu(x @ w)^2 in x's dtype: model.layers.relu2_matmul."""
-    return launch(x_MK, w_KN, None)
+    return launch(x_MK, w_KN, None, RELU2)
 
 
 @relu2_matmul.register_fake
@@ -202,9 +233,22 @@ def relu2_matmul_grad(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor) -> Tensor:
     """The pre-activation's gradient (grad_y @ w) * 2 sqrt(h): model.layers.relu2_matmul_grad."""
     torch._check(h_MN.shape == (grad_y_MK.size(0), w_KN.size(1)) and h_MN.dtype == grad_y_MK.dtype
                  and h_MN.is_contiguous(), lambda: "h must be the forward's contiguous (M, N) output")
-    return launch(grad_y_MK, w_KN, h_MN)
+    return launch(grad_y_MK, w_KN, h_MN, RELU2_GRAD)
 
 
 @relu2_matmul_grad.register_fake
 def _(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor) -> Tensor:
     return grad_y_MK.new_empty(h_MN.shape)
+
+
+@torch.library.custom_op("speedrun::matmul_add", mutates_args=())
+def matmul_add(h_MK: Tensor, w_NK: Tensor, r_MN: Tensor) -> Tensor:
+    """r + h @ w^T in h's dtype, rounded once, w stored (N, K): model.layers.matmul_add."""
+    torch._check(r_MN.shape == (h_MK.size(0), w_NK.size(0)) and r_MN.dtype == h_MK.dtype and r_MN.is_contiguous(),
+                 lambda: "the residual must be a contiguous (M, N) tensor in h's dtype")
+    return launch(h_MK, w_NK, r_MN, ADD)
+
+
+@matmul_add.register_fake
+def _(h_MK: Tensor, w_NK: Tensor, r_MN: Tensor) -> Tensor:
+    return h_MK.new_empty(r_MN.shape)
