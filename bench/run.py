@@ -10,7 +10,8 @@ exactly what a user's run would show. Modes (BENCHMARKS.md):
   ms/step is the median of per-step times after the first SKIP steps, with the spread around it.
 - speedrun: any train_gpt2.py arguments; records the (step, val loss, train time) rows.
 Both record the cold start: seconds from launch to the end of the compile warm-up, and whether it was strictly
-cold (no files in the compile caches when the run started).
+cold (no files in the compile caches when the run started); and the GPUs' clocks, power and temperature from the
+end of the warm-up on (bench/gpu_monitor.py).
 """
 import argparse
 import glob
@@ -25,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.gpu_monitor import GpuMonitor
 from model.gpt import GPTConfig, flops_per_token
 
 REPO = Path(__file__).resolve().parent.parent
@@ -124,7 +126,8 @@ def main():
         log_dir = Path(tmp) / "logs"
         console = Path(args.out).with_suffix(".console.txt")
         cached = compile_cache_files()
-        wall, warm = launch(args.nproc, data + mode_args + args.train_args, log_dir, console)
+        with GpuMonitor() as monitor:
+            wall, warm = launch(args.nproc, data + mode_args + args.train_args, log_dir, console)
         head, metrics, lines = read_run(log_dir)
         for table in log_dir.glob("*/profile_step*.txt"):  # a --profile_step run's kernel table
             shutil.copy(table, Path(args.out).with_suffix(f".{table.stem}.txt"))
@@ -144,6 +147,7 @@ def main():
         "startup_to_warm_s": round(warm, 1) if warm else None, "wall_s": round(wall, 1),
         "compile_cache_files_at_start": cached, "strictly_cold": not any(cached.values()),
         "warmup_line": next((l for l in lines if l.startswith("warm-up:")), None), **memory(lines),
+        "gpu_monitor": monitor.summary(since_s=warm or 0.0),  # from the end of the warm-up to the end of the run
     }
     if args.mode == "throughput":
         times = per_step_ms(metrics, profiled_step=cfg.get("profile_step", 0))[SKIP:]

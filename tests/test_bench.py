@@ -1,15 +1,35 @@
 """bench/run.py: how per-step times and the validation context come out of a run's log, and the guard on too few
-timed steps; bench/gaps.py's sums on a small trace."""
+timed steps; bench/gpu_monitor.py against a stand-in nvidia-smi; bench/gaps.py's sums on a small trace."""
 import glob
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from bench.gpu_monitor import QUERY, GpuMonitor
 from bench.run import MIN_STEPS, per_step_ms, val_context
 
 REPO = Path(__file__).resolve().parent.parent
+
+# A stand-in for nvidia-smi: two GPUs; GPU 0's clock falls by 10 MHz and its temperature rises by 1 C at each call.
+# It keeps its call count and last arguments beside itself.
+FAKE_NVIDIA_SMI = """#!/bin/sh
+n=$(cat "$0.count" 2>/dev/null || echo 0)
+echo $((n + 1)) > "$0.count"
+echo "$@" > "$0.args"
+echo "0, $((1980 - 10 * n)), 650.5, 700.00, $((60 + n))"
+echo "1, 1755, 690.0, 700.00, 66"
+"""
+
+
+def fake_nvidia_smi(folder: Path, script: str = FAKE_NVIDIA_SMI) -> Path:
+    folder.mkdir(exist_ok=True)
+    exe = folder / "nvidia-smi"
+    exe.write_text(script)
+    exe.chmod(0o755)
+    return exe
 
 
 def test_per_step_times_skip_gaps_and_the_profiled_step():
@@ -40,6 +60,62 @@ def test_compile_caches_are_counted(tmp_path, monkeypatch):
     assert compile_cache_files() == {str(tmp_path / "inductor"): 2, str(tmp_path / "triton"): 0}
 
 
+def wait_for_samples(monitor: GpuMonitor, n: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(monitor.samples) < n and monitor.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(monitor.samples) >= n, monitor.error
+
+
+def test_gpu_monitor_summarises_each_gpu_after_a_time(tmp_path, monkeypatch):
+    exe = fake_nvidia_smi(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{exe.parent}{os.pathsep}{os.environ['PATH']}")
+    with GpuMonitor(interval_s=0.01) as monitor:
+        wait_for_samples(monitor, 5)
+    calls = int((tmp_path / "bin" / "nvidia-smi.count").read_text())
+    assert (tmp_path / "bin" / "nvidia-smi.args").read_text().split() == [
+        f"--query-gpu={','.join(QUERY)}", "--format=csv,noheader,nounits"]
+    summary = monitor.summary()
+    assert summary["interval_s"] == 0.01 and summary["since_s"] == 0.0 and "error" not in summary
+    first, second = summary["gpus"]
+    times = [round(t, 2) for t, _ in monitor.samples]
+    assert times == sorted(times) and len(times) == calls
+    assert first == {"index": 0, "samples": calls, "sm_clock_mhz_median": 1980 - 10 * ((calls - 1) / 2),
+                     "sm_clock_mhz_min": 1980 - 10 * (calls - 1), "sm_clock_mhz_max": 1980, "power_w_median": 650.5,
+                     "power_limit_w": 700.0, "temperature_c_max": 60 + calls - 1,
+                     "series_s_mhz_w_c": [[t, 1980 - 10 * n, 650.5, 60 + n] for n, t in enumerate(times)]}
+    assert second["index"] == 1 and second["sm_clock_mhz_min"] == second["sm_clock_mhz_max"] == 1755
+    # only the samples at or after since_s: the later ones have the lower clocks
+    later = monitor.summary(since_s=monitor.samples[2][0])["gpus"][0]
+    assert later["samples"] == calls - 2 and later["sm_clock_mhz_max"] == 1980 - 20
+    assert later["series_s_mhz_w_c"] == first["series_s_mhz_w_c"]  # the series always starts at the start
+    assert monitor.summary(since_s=1e9) == {"error": "no sample after 1000000000.0 s"}
+
+
+def test_gpu_monitor_says_why_it_has_no_samples(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi on it
+    with GpuMonitor(interval_s=0.01) as monitor:
+        pass
+    assert monitor.summary() == {"error": "nvidia-smi not found"}
+    failing = fake_nvidia_smi(tmp_path / "bin", "#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    monkeypatch.setenv("PATH", str(failing.parent))
+    with GpuMonitor(interval_s=0.01) as monitor:
+        time.sleep(0.1)
+    summary = monitor.summary()
+    assert summary == {"error": "nvidia-smi exited with status 9: NVIDIA-SMI has failed"}
+    assert monitor.samples == []  # the first call failed: sampling stopped, the run goes on
+
+
+def test_gpu_monitor_leaves_out_what_the_driver_does_not_report(tmp_path, monkeypatch):
+    exe = fake_nvidia_smi(tmp_path / "bin", "#!/bin/sh\necho '0, 1980, [N/A], [N/A], 61'\n")
+    monkeypatch.setenv("PATH", str(exe.parent))
+    with GpuMonitor(interval_s=0.01) as monitor:
+        wait_for_samples(monitor, 2)
+    (gpu,) = monitor.summary()["gpus"]
+    assert gpu["sm_clock_mhz_median"] == 1980 and gpu["temperature_c_max"] == 61
+    assert gpu["power_w_median"] is None and gpu["power_limit_w"] is None
+
+
 def test_throughput_refuses_too_few_steps(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.run", "throughput", "--data", str(tmp_path), "--out",
                            str(tmp_path / "out.json"), f"--steps={MIN_STEPS - 1}"],
@@ -61,12 +137,14 @@ def test_speedrun_on_the_cpu_writes_its_rows_and_keeps_the_run_folder(tmp_path):
         for i, shard in enumerate(sorted(glob.glob(pattern))):
             (data / f"fineweb_{kind}_{i:06d}.bin").symlink_to(shard)
     out, keep = tmp_path / "run.json", tmp_path / "kept"
+    exe = fake_nvidia_smi(tmp_path / "bin")
     proc = subprocess.run([sys.executable, "-m", "bench.run", "speedrun", "--data", str(data), "--out", str(out),
                            "--keep", str(keep), "--", "--preset=smoke", "--num_iterations=4", "--val_loss_every=2",
                            "--val_tokens=1024", "--warmup_steps=0", "--log_every=1"],
                           cwd=REPO, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-                               "TRITON_CACHE_DIR": str(tmp_path / "triton")})
+                               "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+                               "PATH": f"{exe.parent}{os.pathsep}{os.environ['PATH']}"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["mode"] == "speedrun" and result["world_size"] == 1
@@ -76,6 +154,9 @@ def test_speedrun_on_the_cpu_writes_its_rows_and_keeps_the_run_folder(tmp_path):
     assert result["config"]["tokens_per_step"] == 2 * 256 and result["config"]["val_context"] > 0
     assert [row["step"] for row in result["val_rows"]] == [0, 2, 4]
     assert result["val_rows"][0]["val_loss"] > result["val_rows"][-1]["val_loss"] > 0
+    # the stand-in nvidia-smi's two GPUs, sampled during the run
+    assert [gpu["index"] for gpu in result["gpu_monitor"]["gpus"]] == [0, 1]
+    assert result["gpu_monitor"]["gpus"][1]["sm_clock_mhz_median"] == 1755
     (run_folder,) = keep.iterdir()
     assert {"log.txt", "metrics.jsonl"} <= {p.name for p in run_folder.iterdir()}
 

@@ -1,0 +1,104 @@
+"""The GPUs' clocks, power and temperature, sampled by nvidia-smi beside a benchmark run (bench/run.py), so that each
+figure carries the state of the machine that made it.
+
+Why: the same code has run up to 25 ms/step apart on different H200 machines (e1404cd's: 611.17 on one, 620.35 on
+another; bench/results/README.md), more than any one change moves it. On the two fastest machines the first steps
+also ran faster than the later ones (544-593 against 601-616 ms), and no clock was logged to say why.
+
+A thread asks `nvidia-smi --query-gpu=...` every INTERVAL_S seconds; each answer is one row per GPU. The summary
+covers the samples after a given time (bench/run.py passes the end of the compile warm-up), per GPU: the SM clock's
+median, minimum and maximum, the median power against the power limit, the highest temperature; and the whole series
+from the start. Where nvidia-smi is missing (CPU machines) or fails, the summary says why instead, and the run goes
+on: the monitor only watches.
+"""
+import shutil
+import statistics
+import subprocess
+import threading
+import time
+
+INTERVAL_S = 0.5
+QUERY = ("index", "clocks.sm", "power.draw", "power.limit", "temperature.gpu")  # stable fields of nvidia-smi
+
+
+def number(field: str) -> float | None:
+    """A field of nvidia-smi's answer: a number, or None where the driver does not report it ("[N/A]")."""
+    field = field.strip()
+    return None if field.startswith("[") else float(field)
+
+
+def query(executable: str) -> list[list[float | None]]:
+    """One row [index, SM clock MHz, power W, power limit W, temperature C] per GPU (None: not reported);
+    ValueError on an answer that is neither."""
+    out = subprocess.run([executable, f"--query-gpu={','.join(QUERY)}", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=10, check=True).stdout
+    return [[number(v) for v in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
+def reported(values: list[float | None]) -> list[float]:
+    return [v for v in values if v is not None]
+
+
+class GpuMonitor:
+    """Context manager: samples from entering to leaving; summary(since_s) afterwards (seconds from entering)."""
+
+    def __init__(self, interval_s: float = INTERVAL_S):
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, list[list[float | None]]]] = []
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "GpuMonitor":
+        self._t0 = time.perf_counter()
+        executable = shutil.which("nvidia-smi")
+        if executable is None:
+            self.error = "nvidia-smi not found"
+        else:
+            self._thread = threading.Thread(target=self._sample, args=(executable,), daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _sample(self, executable: str) -> None:
+        while not self._stop.is_set():
+            t = time.perf_counter() - self._t0
+            try:
+                self.samples.append((t, query(executable)))
+            except subprocess.CalledProcessError as e:
+                self.error = f"nvidia-smi exited with status {e.returncode}: {' '.join(e.stderr.split())[:200]}"
+                return
+            except (OSError, subprocess.SubprocessError, ValueError) as e:
+                self.error = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+                return
+            self._stop.wait(self.interval_s)
+
+    def summary(self, since_s: float = 0.0) -> dict:
+        """The samples taken at or after since_s, per GPU; where there are none, the reason."""
+        rows = [row for t, answer in self.samples if t >= since_s for row in answer]
+        if not rows:
+            return {"error": self.error or f"no sample after {since_s:.1f} s"}
+        gpus = []
+        for index in sorted({int(r[0]) for r in rows}):
+            mine = [r for r in rows if int(r[0]) == index]
+            clocks, power, limit, temperature = (reported([r[i] for r in mine]) for i in range(1, 5))
+            gpus.append({"index": index, "samples": len(mine),  # a figure the driver never reported is None
+                         "sm_clock_mhz_median": statistics.median(clocks) if clocks else None,
+                         "sm_clock_mhz_min": min(clocks, default=None), "sm_clock_mhz_max": max(clocks, default=None),
+                         "power_w_median": statistics.median(power) if power else None,
+                         "power_limit_w": limit[-1] if limit else None,
+                         "temperature_c_max": max(temperature, default=None)})
+        # every sample from the start, [seconds, SM clock, power, temperature] per GPU: how the clocks moved through
+        # the compile and the first steps, which the summary leaves out
+        series = {index: [[round(t, 2), *row[1:3], row[4]] for t, answer in self.samples for row in answer
+                          if int(row[0]) == index] for index in (gpu["index"] for gpu in gpus)}
+        for gpu in gpus:
+            gpu["series_s_mhz_w_c"] = series[gpu["index"]]
+        result = {"interval_s": self.interval_s, "since_s": round(since_s, 1), "gpus": gpus}
+        if self.error:  # sampling stopped early: the figures cover only the samples before it
+            result["error"] = self.error
+        return result
