@@ -16,15 +16,11 @@ from pathlib import Path
 
 import torch
 
-from bench.mlp_kernels import training_problem
+from bench.mlp_kernels import error_of_max, training_problem
 from bench.timing import graph_ms
 from model import layers, mlp_kernels
 
 CONFIGS = [mlp_kernels.CONFIG, (128, 128, 64, 4, 4), (128, 64, 64, 6, 4), (128, 128, 128, 2, 4)]
-
-
-def error_of_max(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
 def main():

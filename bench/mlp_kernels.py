@@ -26,12 +26,17 @@ def tflops(ms: float | str) -> float | str:
     return round(2 * M * D * HIDDEN / (ms * 1e-3) / 1e12, 1) if isinstance(ms, float) else ms
 
 
+def error_of_max(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest error of got, taken in want's dtype, relative to want's largest value."""
+    return ((got.to(want.dtype) - want).abs().max() / want.abs().max()).item()
+
+
 def checked_row(side: str, call, want, timer) -> dict:
     """One side of a kernel sweep's row: call()'s largest error relative to want's largest value, then its time by
     timer, and the throughput. Where the call fails (a tile too large for the SM, say) the error message stands in
     for the error and the time reads "not run": a failed configuration is a result too, and the sweep goes on."""
     try:
-        err = ((call().float() - want).abs().max() / want.abs().max()).item()
+        err = error_of_max(call(), want)
         ms = timer(call)
     except Exception as e:
         err, ms = f"{type(e).__name__}: {' '.join(str(e).split())[-300:]}", "not run"
