@@ -154,11 +154,10 @@ class Attention(nn.Module):
         if self.gate_w is not None:
             nn.init.zeros_(self.gate_w)  # every gate starts at sigmoid(0) = 1/2, as in record #28
 
-    def forward(self, x_BTD: Tensor, residual_BTD: Tensor, gate_in_BTG: Tensor, v_first_BTHd: Tensor | None,
-                ve_BTA: Tensor | None, cos_TP: Tensor, sin_TP: Tensor,
-                mask: BlockMask | Tensor) -> tuple[Tensor, Tensor]:
-        """Returns (residual + the attention of x (B, T, D): the residual stream after it, this layer's mixed values
-        (B, T, H, d) for the value residual). gate_in holds x's first G channels (mix_norm), read by the gate."""
+    def forward(self, x_BTD: Tensor, gate_in_BTG: Tensor, v_first_BTHd: Tensor | None, ve_BTA: Tensor | None,
+                cos_TP: Tensor, sin_TP: Tensor, mask: BlockMask | Tensor) -> tuple[Tensor, Tensor]:
+        """Returns (output (B, T, D), this layer's mixed values (B, T, H, d) for the value residual). gate_in holds
+        x's first G channels (mix_norm), read by the gate."""
         B, T, _ = x_BTD.shape
         H, d = self.num_heads, self.head_dim
         qkv_BT3Hd = F.linear(x_BTD, self.qkv_w.flatten(0, 1).type_as(x_BTD)).view(B, T, 3 * H, d)
@@ -170,9 +169,8 @@ class Attention(nn.Module):
         if self.gate_w is not None:
             gate_BTH = torch.sigmoid(F.linear(gate_in_BTG, self.gate_w.type_as(gate_in_BTG)))
             y_BTHd = y_BTHd * gate_BTH[..., None]
-        y_MA = y_BTHd.reshape(B * T, H * d)
-        out_MD = MatmulAdd.apply(y_MA, self.proj_w.type_as(y_MA), residual_BTD.flatten(0, 1).contiguous())
-        return out_MD.view_as(residual_BTD), v_BTHd
+        y_BTA = y_BTHd.reshape(B, T, H * d)
+        return F.linear(y_BTA, self.proj_w.type_as(y_BTA)), v_BTHd
 
 
 def relu2_matmul(x_MK: Tensor, w_KN: Tensor) -> Tensor:
@@ -194,24 +192,6 @@ def matmul_add(h_MK: Tensor, w_NK: Tensor, r_MN: Tensor) -> Tensor:
 
 # ReLU2MLP's ops off the kernels: the torch functions above, under the kernels' names
 TORCH_OPS = SimpleNamespace(relu2_matmul=relu2_matmul, relu2_matmul_grad=relu2_matmul_grad, matmul_add=matmul_add)
-
-
-class MatmulAdd(torch.autograd.Function):
-    """r + a @ w^T for a (M, K), the weight w (N, K) as stored (nn.Linear's layout) and the residual stream r (M, N):
-    the attention's output projection added to the stream. On Hopper GPUs the add is the product's epilogue
-    (mlp_kernels.matmul_add, the MLP's kernel): inductor's kernel after it then only norms the new stream, where it
-    read the product back to add it; elsewhere the torch op of the same name. Saves a and w, as autograd would."""
-
-    @staticmethod
-    def forward(ctx, a_MK: Tensor, w_NK: Tensor, r_MN: Tensor) -> Tensor:
-        on_kernels = mlp_kernels is not None and mlp_kernels.supports(a_MK, w_NK)
-        ctx.save_for_backward(a_MK, w_NK)
-        return (mlp_kernels if on_kernels else TORCH_OPS).matmul_add(a_MK, w_NK, r_MN)
-
-    @staticmethod
-    def backward(ctx, grad_MN: Tensor):
-        a_MK, w_NK = ctx.saved_tensors
-        return grad_MN @ w_NK, grad_MN.t() @ a_MK, grad_MN
 
 
 class ReLU2MLP(torch.autograd.Function):
@@ -392,7 +372,8 @@ class Block(nn.Module):
             on_kernels = x_BTD.is_cuda and norm_kernels is not None
             x_BTD, n_BTD, gate_in_BTG = (MixNorm.apply if on_kernels else mix_norm)(x_BTD, x0_BTD, self.lambdas,
                                                                                     gate_width)
-            x_BTD, v_BTHd = self.attn(n_BTD, x_BTD, gate_in_BTG, v_first_BTHd, ve_BTA, cos_TP, sin_TP, mask)
+            y_BTD, v_BTHd = self.attn(n_BTD, gate_in_BTG, v_first_BTHd, ve_BTA, cos_TP, sin_TP, mask)
+            x_BTD = x_BTD + y_BTD
         else:
             x_BTD = x0_mix(x_BTD, x0_BTD, self.lambdas)
         if self.mlp is not None:

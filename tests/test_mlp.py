@@ -71,27 +71,6 @@ def test_mlp_module_uses_the_function():
     torch.testing.assert_close(mlp(x, r), want.view(2, 5, 16))
 
 
-def projection_operands(m, k, n, dtype, device, seed=0):
-    """The attention's output projection: its input a (M, K), the weight w (N, K) as stored, the residual stream r
-    (M, N) and an upstream gradient (M, N)."""
-    g = torch.Generator(device).manual_seed(seed)
-    a, w = torch.randn(m, k, generator=g, device=device), torch.randn(n, k, generator=g, device=device) * k ** -0.5
-    r, grad = torch.randn(m, n, generator=g, device=device), torch.randn(m, n, generator=g, device=device)
-    return [t.to(dtype) for t in (a, w, r, grad)]
-
-
-def plain_projection(a, w, r):
-    return r + F.linear(a, w)
-
-
-@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
-def test_matmul_add_function_matches_autograd(dtype, rtol):
-    """MatmulAdd's output and its three gradients (r's is the output's own) equal autograd's through r + a @ w^T."""
-    args = projection_operands(37, 16, 24, dtype, "cpu")
-    for got, want in zip(grads(layers.MatmulAdd.apply, *args), grads(plain_projection, *args), strict=True):
-        torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * want.abs().max().item())
-
-
 # --- GPU ----------------------------------------------------------------------------------------------------------
 def check_kernels(m, k, n, device, rtol):
     """relu2_matmul, relu2_matmul_grad and matmul_add against fp64 torch ops of the same bf16 operands: within one
@@ -157,30 +136,4 @@ def test_compiled_function_calls_the_kernels_without_copies():
                                                                                    "relu2_matmul_grad"]
     assert re.findall(r"(\w+)\.run\(", code) == []
     for a, b in zip(got, grads(mlp, *args), strict=True):
-        torch.testing.assert_close(a, b)
-
-
-@gpu
-@hopper
-def test_matmul_add_function_on_gpu():
-    """MatmulAdd at the record's attention projection (D = A = 768) on the kernel: each result within 1% of fp64's
-    largest value and at least as close to fp64 as autograd's bf16 (r's gradient is exact both ways); compiled, its
-    forward calls the kernel's custom op once and launches no Triton kernel besides, with the eager results."""
-    from torch._inductor.utils import run_and_get_code
-
-    args = projection_operands(4096, 768, 768, torch.bfloat16, "cuda")
-    exact = grads(plain_projection, *[t.double() for t in args])
-    eager = grads(layers.MatmulAdd.apply, *args)
-    for got, own, want in zip(eager, grads(plain_projection, *args), exact, strict=True):
-        err, own_err = (got.double() - want).abs().max().item(), (own.double() - want).abs().max().item()
-        assert err < 1e-2 * want.abs().max().item() and err <= 1.1 * own_err, (err, own_err)
-
-    def projection(a, w, r):
-        return layers.MatmulAdd.apply(a, w, r)
-
-    got, codes = run_and_get_code(grads, torch.compile(projection, dynamic=False), *args)
-    code = "\n".join(codes)
-    assert re.findall(r"torch\.ops\.speedrun\.(\w+)\.default\(", code) == ["matmul_add"]
-    assert re.findall(r"(\w+)\.run\(", code) == []
-    for a, b in zip(got, eager, strict=True):
         torch.testing.assert_close(a, b)
