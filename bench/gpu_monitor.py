@@ -12,7 +12,8 @@ A thread asks `nvidia-smi --query-gpu=...` every INTERVAL_S seconds; each answer
 covers the samples after a given time (bench/run.py passes the end of the compile warm-up), per GPU: the SM clock's
 median, minimum and maximum, the median power against the power limit, the highest temperature; and the whole series
 from the start. Where nvidia-smi is missing (CPU machines) or fails, the summary says why instead, and the run goes
-on: the monitor only watches.
+on: the monitor only watches. active_clock_reasons() asks `nvidia-smi -q` once what holds the clocks down now
+(bench/power.py, three quarters into each kernel's run).
 """
 import shutil
 import statistics
@@ -36,6 +37,23 @@ def query(executable: str) -> list[list[float | None]]:
     out = subprocess.run([executable, f"--query-gpu={','.join(QUERY)}", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, timeout=10, check=True).stdout
     return [[number(v) for v in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
+def active_clock_reasons() -> list[str] | str:
+    """The reasons `nvidia-smi -q -d PERFORMANCE` reports active now, what holds the clocks down ("SW Power Cap",
+    "Idle", ...), over all GPUs; or why it could not say."""
+    executable = shutil.which("nvidia-smi")
+    if executable is None:
+        return "nvidia-smi not found"
+    try:
+        out = subprocess.run([executable, "-q", "-d", "PERFORMANCE"], capture_output=True, text=True, timeout=10,
+                             check=True).stdout
+    except subprocess.CalledProcessError as e:
+        return f"nvidia-smi exited with status {e.returncode}: {' '.join(e.stderr.split())[:200]}"
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    reasons = [line.split(":")[0].strip() for line in out.splitlines() if line.strip().endswith(": Active")]
+    return list(dict.fromkeys(reasons))  # once each, in the order first seen
 
 
 def reported(values: list[float | None]) -> list[float]:

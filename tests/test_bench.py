@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.gpu_monitor import QUERY, GpuMonitor
+from bench.gpu_monitor import QUERY, GpuMonitor, active_clock_reasons
 from bench.run import MIN_STEPS, per_step_ms, val_context
 
 REPO = Path(__file__).resolve().parent.parent
@@ -114,6 +114,24 @@ def test_gpu_monitor_leaves_out_what_the_driver_does_not_report(tmp_path, monkey
     (gpu,) = monitor.summary()["gpus"]
     assert gpu["sm_clock_mhz_median"] == 1980 and gpu["temperature_c_max"] == 61
     assert gpu["power_w_median"] is None and gpu["power_limit_w"] is None
+
+
+def test_active_clock_reasons_from_nvidia_smi_q(tmp_path, monkeypatch):
+    """The "... : Active" lines of `nvidia-smi -q -d PERFORMANCE` (its layout on the H200 machine, two GPUs), each
+    reason once; a failing or missing nvidia-smi gives the reason instead."""
+    gpu = ("    Clocks Event Reasons\n        Idle                              : Not Active\n"
+           "        SW Power Cap                      : {}\n        HW Slowdown                       : Not Active\n"
+           "            HW Thermal Slowdown           : {}\n    Clocks Event Reasons Counters\n"
+           "        SW Power Capping                  : 1234 us\n")
+    answer = "GPU 00000000:18:00.0\n" + gpu.format("Active", "Not Active") + "GPU 00000000:2A:00.0\n" + gpu.format(
+        "Active", "Active")
+    exe = fake_nvidia_smi(tmp_path / "bin", f"#!/bin/sh\ncat <<'END'\n{answer}END\n")
+    monkeypatch.setenv("PATH", f"{exe.parent}{os.pathsep}{os.environ['PATH']}")  # the stand-in first; cat after it
+    assert active_clock_reasons() == ["SW Power Cap", "HW Thermal Slowdown"]
+    fake_nvidia_smi(tmp_path / "bin", "#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    assert active_clock_reasons() == "nvidia-smi exited with status 9: NVIDIA-SMI has failed"
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert active_clock_reasons() == "nvidia-smi not found"
 
 
 def test_throughput_refuses_too_few_steps(tmp_path):
