@@ -27,6 +27,17 @@ tile's first operands are in flight during this tile's epilogue. One warpgroup i
 and keeps one in flight: when it has waited for the one before, that one's slot is free for the next load. The
 epilogue stores through shared memory by TMA, and waits for the previous tile's store only before overwriting it.
 
+Where the ring, the output's tile and the epilogue's tile (h, or the residual) do not fit in shared memory together,
+as with 128 x 256 tiles in 3 stages, the epilogue's tile lands in the output's buffer (SHARED_TILE). Each tile's t
+is then asked for halfway through its products, once the store of the tile before has left the buffer. Why larger
+tiles: the training step runs at the H200's power limit, and a 128 x 256 tile reads a quarter fewer operand bytes
+per product. Alone at the limit (bench/results/power_mlp_tiles_1xH200_*.json, bench/power.py --tiles), with results
+equal to CONFIG's bit for bit:
+- matmul_add took 0.3509 ms against CONFIG's 0.3646;
+- the forward took 0.3926 against 0.4022;
+- the backward took 0.4554 against 0.4549.
+Not yet measured in the step, so CONFIG stays.
+
 The third kernel, matmul_add, is the MLP's second product with the residual stream's add in its epilogue: out = r +
 h @ W2^T, r's tile asked for by TMA as the backward's h is, the weight read as stored, (D, F) (B_K_CONTIGUOUS).
 Before it, cuBLAS's product wrote the MLP's output and an inductor kernel read it back with r to write their sum:
@@ -56,6 +67,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # 128 x 64 and 64 x 128 operand tiles, one output and one h (or residual) tile take 224 KB of the SM's 227 KB of
 # shared memory
 CONFIG = (128, 128, 64, 5, 4)
+SMEM_BYTES = 227 * 1024  # shared memory a block may opt into on compute capability 9.0 (CUDA C++ Programming Guide)
 
 
 @gluon.jit
@@ -112,9 +124,12 @@ _RELU2, _RELU2_GRAD = gl.constexpr(RELU2), gl.constexpr(RELU2_GRAD)  # as the ke
 
 @gluon.jit
 def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, ACC_LAYOUT: gl.constexpr, KSTEPS: gl.constexpr,
-                   STAGES: gl.constexpr, EPILOGUE: gl.constexpr, B_K_CONTIGUOUS: gl.constexpr):
+                   STAGES: gl.constexpr, EPILOGUE: gl.constexpr, B_K_CONTIGUOUS: gl.constexpr,
+                   SHARED_TILE: gl.constexpr):
     """out = EPILOGUE(A @ B) in out's dtype; t_desc is read only by the epilogues that take a tile (RELU2_GRAD,
-    ADD). B is (K, N), or (N, K) with B_K_CONTIGUOUS. Tiles past an edge read zeros and store nothing there (TMA)."""
+    ADD). B is (K, N), or (N, K) with B_K_CONTIGUOUS. Tiles past an edge read zeros and store nothing there (TMA).
+    With SHARED_TILE the t tile lands in the output's buffer, where shared memory holds no second tile beside the
+    ring: each tile's t is then asked for halfway through its products, once the tile before has left the buffer."""
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
     READS_TILE: gl.constexpr = EPILOGUE != _RELU2
@@ -129,7 +144,10 @@ def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, ACC_LAYOUT: gl.constexpr, K
     a_bufs, b_bufs, ready = _ring(a_desc, b_desc, STAGES)
     out_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
     if READS_TILE:
-        t_smem = gl.allocate_shared_memory(dtype, t_desc.block_type.shape, t_desc.layout)
+        if SHARED_TILE:
+            t_smem = out_smem
+        else:
+            t_smem = gl.allocate_shared_memory(dtype, t_desc.block_type.shape, t_desc.layout)
         t_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(t_bar, count=1)
         _issue_tile(t_desc, t_smem, t_bar, start, tiles_n, my_tiles > 0)
@@ -142,6 +160,7 @@ def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, ACC_LAYOUT: gl.constexpr, K
     # the epilogue sits between two loops, not in a branch of one: across a branch ptxas cannot see that the
     # accumulator is complete, and it waited for every product at each k-step (its warning C7517)
     for local in range(my_tiles):
+        tile = start + local * step
         for kstep in range(KSTEPS):
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
@@ -153,14 +172,18 @@ def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, ACC_LAYOUT: gl.constexpr, K
             acc = warpgroup_mma_wait(1, deps=(acc, ))  # the previous product is done: its slot is free
             _issue_loads(a_desc, b_desc, a_bufs, b_bufs, ready, i + STAGES - 1, total, start, step, tiles_n, KSTEPS,
                          STAGES, B_K_CONTIGUOUS)
+            if READS_TILE and SHARED_TILE:
+                if (kstep == KSTEPS // 2) & (local > 0):  # (the first tile's t was asked for before the loop)
+                    tma.store_wait(pendings=0)  # the tile before has left the buffer during these products
+                    _issue_tile(t_desc, t_smem, t_bar, tile, tiles_n, True)
             i += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        tile = start + local * step
         if READS_TILE:
             mbarrier.wait(t_bar, local & 1)
             t = t_smem.load(ACC_LAYOUT).to(gl.float32)
-            gl.thread_barrier()  # every warp has read t_smem before the next tile's t may overwrite it
-            _issue_tile(t_desc, t_smem, t_bar, tile + step, tiles_n, local + 1 < my_tiles)
+            gl.thread_barrier()  # every warp has read t_smem before it is overwritten (by the next t, or by out)
+            if not SHARED_TILE:
+                _issue_tile(t_desc, t_smem, t_bar, tile + step, tiles_n, local + 1 < my_tiles)
             if EPILOGUE == _RELU2_GRAD:
                 out = acc * (2.0 * gl.sqrt(t))
             else:
@@ -209,11 +232,16 @@ def launch(a_MK: Tensor, b: Tensor, t_MN: Tensor | None, epilogue: int, config: 
     b_desc = _descriptor(b, (block_n, block_k) if b_k_contiguous else (block_k, block_n))
     tiles = -(-M // block_m) * -(-N // block_n)
     programs = min(tiles, torch.cuda.get_device_properties(a_MK.device).multi_processor_count)
+    # the epilogue's tile gets a buffer of its own where the ring, the output's tile and it fit (1 KB left for the
+    # barriers), else it shares the output's
+    ring_bytes, tile_bytes = stages * (block_m + block_n) * block_k * 2, block_m * block_n * 2
+    shared_tile = t_MN is not None and ring_bytes + 2 * tile_bytes + 1024 > SMEM_BYTES
     # the accumulator as the warpgroup MMA leaves it: warps stacked along M, one instruction spanning the tile's N
     acc_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_n, 16])
     _matmul_kernel[(programs,)](
         _descriptor(a_MK, (block_m, block_k)), b_desc, out_desc, t_desc, ACC_LAYOUT=acc_layout,
-        KSTEPS=-(-K // block_k), STAGES=stages, EPILOGUE=epilogue, B_K_CONTIGUOUS=b_k_contiguous, num_warps=warps)
+        KSTEPS=-(-K // block_k), STAGES=stages, EPILOGUE=epilogue, B_K_CONTIGUOUS=b_k_contiguous,
+        SHARED_TILE=shared_tile, num_warps=warps)
     return out_MN
 
 
