@@ -10,8 +10,8 @@ below it runs at full clock. Which kind is which tells where saved time, and whe
 shorter step.
 
 Each kind replays one CUDA graph of its call back to back for SECONDS, timed in chunks of about 10 ms by CUDA
-events, while bench/gpu_monitor.py samples nvidia-smi every 0.1 s; then the GPU idles for REST_S so that the next
-kind starts from the same state. For each kind: ms per call over the first 100 ms (the nearest to full clock)
+events, while bench/gpu_monitor.py samples nvidia-smi every 0.1 s; before each kind the GPU idles for REST_S, so
+that each starts from the same state. For each kind: ms per call over the first 100 ms (the nearest to full clock)
 and over the last half; the clock and power over the last half, with their series; and the clock event reasons
 that `nvidia-smi -q` reports active three quarters in. The shapes are one 49,152-token micro-batch's,
 bf16 unless named (the head's product in FP8 at 8,192 tokens, to keep its logits at 0.8 GB). --tiles times the MLP's
