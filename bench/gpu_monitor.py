@@ -5,7 +5,7 @@ Why: the same code has run up to 25 ms/step apart on different H200 machines (e1
 another; bench/results/README.md), more than any one change moves it. On the two fastest machines the first steps
 also ran faster than the later ones (544-593 against 601-616 ms), and no clock was logged to say why. Its first
 runs said why (bench/results/README.md, db0e380): the step runs at the H200's 700 W power limit, with the SM clock
-near 1,650 MHz, and only the first second of it at the full 1,980. Sampling does not move the step: 621.23 ms with
+near 1,650 MHz, and only its first second near the full 1,980. Sampling does not move the step: 621.23 ms with
 the monitor on, 621.19 with it off, four runs in turn.
 
 A thread asks `nvidia-smi --query-gpu=...` every INTERVAL_S seconds; each answer is one row per GPU. The summary
