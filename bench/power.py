@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from bench.gpu_monitor import GpuMonitor, active_clock_reasons
 from bench.mlp_kernels import D, HIDDEN, M, error_of_max, training_problem
+from bench.timing import captured
 from model import layers, mlp_kernels
 
 SECONDS, REST_S, CHUNK_MS = 6.0, 4.0, 10.0
@@ -63,11 +64,7 @@ def kinds() -> dict:
 
 def run_kind(call) -> dict:
     """Replay call's CUDA graph for SECONDS under the monitor; ms per call early and late, clock and power late."""
-    graph = torch.cuda.CUDAGraph()
-    call()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        call()
+    graph = captured(call)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     graph.replay()

@@ -32,15 +32,21 @@ def cuda_bf16_randn(*shape) -> torch.Tensor:
     return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
 
 
-def graph_ms(fn, replays: int = 20) -> float:
-    """GPU milliseconds of one call of fn, captured in a CUDA graph: the median over 5 timings of `replays` replays,
-    after one untimed timing. Without the host's launch work, which an eager call of a kernel that builds its TMA
-    descriptors in Python (model/mlp_kernels.py) would time as well."""
+def captured(fn) -> torch.cuda.CUDAGraph:
+    """fn's GPU work captured in a CUDA graph, after one call outside it (compiles, first launches, allocations)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def graph_ms(fn, replays: int = 20) -> float:
+    """GPU milliseconds of one call of fn, captured in a CUDA graph: the median over 5 timings of `replays` replays,
+    after one untimed timing. Without the host's launch work, which an eager call of a kernel that builds its TMA
+    descriptors in Python (model/mlp_kernels.py) would time as well."""
+    graph = captured(fn)
     times = []
     for _ in range(6):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
