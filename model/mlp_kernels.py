@@ -248,7 +248,7 @@ def launch(a_MK: Tensor, b: Tensor, t_MN: Tensor | None, epilogue: int, config: 
 @torch.library.custom_op("speedrun::relu2_matmul", mutates_args=())
 def relu2_matmul(x_MK: Tensor, w_KN: Tensor) -> Tensor:
     """relu(x @ w)^2 in x's dtype: model.layers.relu2_matmul."""
-    return launch(x_MK, w_KN, None, RELU2, (128, 256, 64, 3, 8))
+    return launch(x_MK, w_KN, None, RELU2)
 
 
 @relu2_matmul.register_fake
@@ -274,7 +274,7 @@ def matmul_add(h_MK: Tensor, w_NK: Tensor, r_MN: Tensor) -> Tensor:
     """r + h @ w^T in h's dtype, rounded once, w stored (N, K): model.layers.matmul_add."""
     torch._check(r_MN.shape == (h_MK.size(0), w_NK.size(0)) and r_MN.dtype == h_MK.dtype and r_MN.is_contiguous(),
                  lambda: "the residual must be a contiguous (M, N) tensor in h's dtype")
-    return launch(h_MK, w_NK, r_MN, ADD, (128, 256, 64, 3, 8))
+    return launch(h_MK, w_NK, r_MN, ADD)
 
 
 @matmul_add.register_fake
