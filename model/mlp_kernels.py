@@ -36,7 +36,8 @@ equal to CONFIG's bit for bit:
 - matmul_add took 0.3509 ms against CONFIG's 0.3646;
 - the forward took 0.3926 against 0.4022;
 - the backward took 0.4554 against 0.4549.
-Not yet measured in the step, so CONFIG stays.
+In the step, with the forward and matmul_add at 128 x 256 (93c851b, reverted), five same-machine pairs showed no
+gain beyond the noise (-0.8 ms/step, standard error 1.2), so CONFIG stays for all three.
 
 The third kernel, matmul_add, is the MLP's second product with the residual stream's add in its epilogue: out = r +
 h @ W2^T, r's tile asked for by TMA as the backward's h is, the weight read as stored, (D, F) (B_K_CONTIGUOUS).
