@@ -8,13 +8,16 @@ runs said why (bench/results/README.md, db0e380): the step runs at the H200's 70
 near 1,650 MHz, and only its first second near the full 1,980. Sampling does not move the step: 621.23 ms with
 the monitor on, 621.19 with it off, four runs in turn.
 
-A thread asks `nvidia-smi --query-gpu=...` every INTERVAL_S seconds; each answer is one row per GPU. The summary
-covers the samples after a given time (bench/run.py passes the end of the compile warm-up), per GPU: the SM clock's
-median, minimum and maximum, the median power against the power limit, the highest temperature; and the whole series
-from the start. Where nvidia-smi is missing (CPU machines) or fails, the summary says why instead, and the run goes
-on: the monitor only watches. active_clock_reasons() asks `nvidia-smi -q` once what holds the clocks down now
-(bench/power.py, three quarters into each kernel's run).
+A thread asks `nvidia-smi --query-gpu=...` every INTERVAL_S seconds, about the GPUs the run uses (`--id`, from
+CUDA_VISIBLE_DEVICES as run_gpus reads it; on a shared 8-GPU box the idle ones would otherwise sit in the figures);
+each answer is one row per GPU. The summary covers the samples between two times (bench/run.py passes the end of the
+compile warm-up and the last step's line: the teardown after it idles at full clock and would set the maximum), per
+GPU: the SM clock's median, minimum and maximum, the median power against the power limit, the highest temperature;
+and the whole series from the start. Where nvidia-smi is missing (CPU machines) or fails, the summary says why
+instead, and the run goes on: the monitor only watches. active_clock_reasons() asks `nvidia-smi -q` once what
+holds the clocks down now (bench/power.py, three quarters into each kernel's run).
 """
+import os
 import shutil
 import statistics
 import subprocess
@@ -31,23 +34,32 @@ def number(field: str) -> float | None:
     return None if field.startswith("[") else float(field)
 
 
-def query(executable: str) -> list[list[float | None]]:
-    """One row [index, SM clock MHz, power W, power limit W, temperature C] per GPU (None: not reported);
-    ValueError on an answer that is neither."""
-    out = subprocess.run([executable, f"--query-gpu={','.join(QUERY)}", "--format=csv,noheader,nounits"],
+def run_gpus(nproc: int) -> list[str]:
+    """nvidia-smi's ids of the GPUs that a run of nproc processes uses: the first nproc of CUDA_VISIBLE_DEVICES
+    (indices or UUIDs, as nvidia-smi takes them), else 0 .. nproc - 1. Both count in PCI bus order where
+    CUDA_DEVICE_ORDER=PCI_BUS_ID, and on a machine of one GPU model (CUDA's default puts the fastest first)."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return (visible or [str(i) for i in range(nproc)])[:nproc]
+
+
+def query(executable: str, gpus: list[str] | None = None) -> list[list[float | None]]:
+    """One row [index, SM clock MHz, power W, power limit W, temperature C] per GPU (None: not reported), of the
+    GPUs with these nvidia-smi ids (None: all); ValueError on an answer that is neither."""
+    command = [executable, f"--query-gpu={','.join(QUERY)}", "--format=csv,noheader,nounits"]
+    out = subprocess.run(command + ([f"--id={','.join(gpus)}"] if gpus else []),
                          capture_output=True, text=True, timeout=10, check=True).stdout
     return [[number(v) for v in line.split(",")] for line in out.splitlines() if line.strip()]
 
 
-def active_clock_reasons() -> list[str] | str:
+def active_clock_reasons(gpus: list[str] | None = None) -> list[str] | str:
     """The reasons `nvidia-smi -q -d PERFORMANCE` reports active now, what holds the clocks down ("SW Power Cap",
-    "Idle", ...), over all GPUs; or why it could not say."""
+    "Idle", ...), over the GPUs with these ids (None: all); or why it could not say."""
     executable = shutil.which("nvidia-smi")
     if executable is None:
         return "nvidia-smi not found"
     try:
-        out = subprocess.run([executable, "-q", "-d", "PERFORMANCE"], capture_output=True, text=True, timeout=10,
-                             check=True).stdout
+        out = subprocess.run([executable, "-q", "-d", "PERFORMANCE"] + ([f"--id={','.join(gpus)}"] if gpus else []),
+                             capture_output=True, text=True, timeout=10, check=True).stdout
     except subprocess.CalledProcessError as e:
         return f"nvidia-smi exited with status {e.returncode}: {' '.join(e.stderr.split())[:200]}"
     except (OSError, subprocess.SubprocessError) as e:
@@ -61,10 +73,12 @@ def reported(values: list[float | None]) -> list[float]:
 
 
 class GpuMonitor:
-    """Context manager: samples from entering to leaving; summary(since_s) afterwards (seconds from entering)."""
+    """Context manager: samples the GPUs with these nvidia-smi ids (None: all) from entering to leaving;
+    summary(since_s, until_s) afterwards (seconds from entering)."""
 
-    def __init__(self, interval_s: float = INTERVAL_S):
+    def __init__(self, interval_s: float = INTERVAL_S, gpus: list[str] | None = None):
         self.interval_s = interval_s
+        self.gpus = gpus
         self.samples: list[tuple[float, list[list[float | None]]]] = []
         self.error: str | None = None
         self._stop = threading.Event()
@@ -89,7 +103,7 @@ class GpuMonitor:
         while not self._stop.is_set():
             t = time.perf_counter() - self._t0
             try:
-                self.samples.append((t, query(executable)))
+                self.samples.append((t, query(executable, self.gpus)))
             except subprocess.CalledProcessError as e:
                 self.error = f"nvidia-smi exited with status {e.returncode}: {' '.join(e.stderr.split())[:200]}"
                 return
@@ -98,11 +112,12 @@ class GpuMonitor:
                 return
             self._stop.wait(self.interval_s)
 
-    def summary(self, since_s: float = 0.0) -> dict:
-        """The samples taken at or after since_s, per GPU; where there are none, the reason."""
-        rows = [row for t, answer in self.samples if t >= since_s for row in answer]
+    def summary(self, since_s: float = 0.0, until_s: float | None = None) -> dict:
+        """The samples taken from since_s to until_s (None: the end), per GPU; where there are none, the reason."""
+        end = float("inf") if until_s is None else until_s
+        rows = [row for t, answer in self.samples if since_s <= t <= end for row in answer]
         if not rows:
-            return {"error": self.error or f"no sample after {since_s:.1f} s"}
+            return {"error": self.error or f"no sample from {since_s:.1f} s to {end:.1f} s"}
         gpus = []
         for index in sorted({int(r[0]) for r in rows}):
             mine = [r for r in rows if int(r[0]) == index]
@@ -114,12 +129,13 @@ class GpuMonitor:
                          "power_limit_w": limit[-1] if limit else None,
                          "temperature_c_max": max(temperature, default=None)})
         # every sample from the start, [seconds, SM clock, power, temperature] per GPU: how the clocks moved through
-        # the compile and the first steps, which the summary leaves out
+        # the compile, the first steps and the teardown, which the summary leaves out
         series = {index: [[round(t, 2), *row[1:3], row[4]] for t, answer in self.samples for row in answer
                           if int(row[0]) == index] for index in (gpu["index"] for gpu in gpus)}
         for gpu in gpus:
             gpu["series_s_mhz_w_c"] = series[gpu["index"]]
-        result = {"interval_s": self.interval_s, "since_s": round(since_s, 1), "gpus": gpus}
+        result = {"interval_s": self.interval_s, "gpu_ids": self.gpus, "since_s": round(since_s, 1),
+                  "until_s": None if until_s is None else round(until_s, 1), "gpus": gpus}
         if self.error:  # sampling stopped early: the figures cover only the samples before it
             result["error"] = self.error
         return result

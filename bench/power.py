@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.gpu_monitor import GpuMonitor, active_clock_reasons
+from bench.gpu_monitor import GpuMonitor, active_clock_reasons, run_gpus
 from bench.mlp_kernels import D, HIDDEN, M, error_of_max, training_problem
 from bench.timing import captured
 from model import layers, mlp_kernels
@@ -72,9 +72,10 @@ def run_kind(call) -> dict:
     torch.cuda.synchronize()
     per_chunk = max(1, round(CHUNK_MS / start.elapsed_time(end)))
     chunks = []  # (seconds since the first chunk began, ms per call in the chunk)
+    gpu_ids = run_gpus(1)  # the GPU torch calls cuda:0
     reasons = []  # asked from a thread three quarters in, so the replays go on meanwhile
-    timer = threading.Timer(0.75 * SECONDS, lambda: reasons.append(active_clock_reasons()))
-    with GpuMonitor(interval_s=0.1) as monitor:
+    timer = threading.Timer(0.75 * SECONDS, lambda: reasons.append(active_clock_reasons(gpu_ids)))
+    with GpuMonitor(interval_s=0.1, gpus=gpu_ids) as monitor:
         timer.start()
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < SECONDS:

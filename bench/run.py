@@ -10,8 +10,8 @@ exactly what a user's run would show. Modes (BENCHMARKS.md):
   ms/step is the median of per-step times after the first SKIP steps, with the spread around it.
 - speedrun: any train_gpt2.py arguments; records the (step, val loss, train time) rows.
 Both record the cold start: seconds from launch to the end of the compile warm-up, and whether it was strictly
-cold (no files in the compile caches when the run started); and the GPUs' clocks, power and temperature from the
-end of the warm-up on (bench/gpu_monitor.py).
+cold (no files in the compile caches when the run started); and the clocks, power and temperature of the GPUs it
+uses from the end of the warm-up to the last step (bench/gpu_monitor.py).
 """
 import argparse
 import glob
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.gpu_monitor import GpuMonitor
+from bench.gpu_monitor import GpuMonitor, run_gpus
 from model.gpt import GPTConfig, flops_per_token
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,14 +36,16 @@ MIN_STEPS = SKIP + TIMED + 2  # the first step has no predecessor line, and one 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16, NVIDIA datasheet (the two share the chip)
 
 
-def launch(nproc: int, train_args: list[str], log_dir: Path, console: Path) -> tuple[float, float]:
-    """Run train_gpt2.py; returns (wall seconds, seconds until the warm-up line appeared)."""
+def launch(nproc: int, train_args: list[str], log_dir: Path,
+           console: Path) -> tuple[float, float | None, float | None]:
+    """Run train_gpt2.py; returns (wall seconds, seconds until the warm-up line appeared, seconds until the last step's
+    line appeared, train or validation)."""
     if nproc > 1:
         cmd = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", "train_gpt2.py"]
     else:
         cmd = [sys.executable, "train_gpt2.py"]
     cmd += train_args + [f"--log_dir={log_dir}"]
-    t0, warm = time.perf_counter(), None
+    t0, warm, last_step = time.perf_counter(), None, None
     with open(console, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -52,9 +54,11 @@ def launch(nproc: int, train_args: list[str], log_dir: Path, console: Path) -> t
             out.flush()  # a run killed by a time limit still leaves its log
             if warm is None and line.startswith("warm-up:"):
                 warm = time.perf_counter() - t0
+            if line.startswith("step:"):
+                last_step = time.perf_counter() - t0
         if proc.wait():
             sys.exit(f"train_gpt2.py failed with status {proc.returncode}; see {console}")
-    return time.perf_counter() - t0, warm
+    return time.perf_counter() - t0, warm, last_step
 
 
 def val_context(lines: list[str]) -> int:
@@ -126,8 +130,8 @@ def main():
         log_dir = Path(tmp) / "logs"
         console = Path(args.out).with_suffix(".console.txt")
         cached = compile_cache_files()
-        with GpuMonitor() as monitor:
-            wall, warm = launch(args.nproc, data + mode_args + args.train_args, log_dir, console)
+        with GpuMonitor(gpus=run_gpus(args.nproc)) as monitor:
+            wall, warm, last_step = launch(args.nproc, data + mode_args + args.train_args, log_dir, console)
         head, metrics, lines = read_run(log_dir)
         for table in log_dir.glob("*/profile_step*.txt"):  # a --profile_step run's kernel table
             shutil.copy(table, Path(args.out).with_suffix(f".{table.stem}.txt"))
@@ -147,7 +151,7 @@ def main():
         "startup_to_warm_s": round(warm, 1) if warm else None, "wall_s": round(wall, 1),
         "compile_cache_files_at_start": cached, "strictly_cold": not any(cached.values()),
         "warmup_line": next((l for l in lines if l.startswith("warm-up:")), None), **memory(lines),
-        "gpu_monitor": monitor.summary(since_s=warm or 0.0),  # from the end of the warm-up to the end of the run
+        "gpu_monitor": monitor.summary(since_s=warm or 0.0, until_s=last_step),  # the steps after the warm-up
     }
     if args.mode == "throughput":
         times = per_step_ms(metrics, profiled_step=cfg.get("profile_step", 0))[SKIP:]

@@ -14,13 +14,16 @@ from bench.run import MIN_STEPS, per_step_ms, val_context
 REPO = Path(__file__).resolve().parent.parent
 
 # A stand-in for nvidia-smi: two GPUs; GPU 0's clock falls by 10 MHz and its temperature rises by 1 C at each call.
-# It keeps its call count and last arguments beside itself.
+# It answers for the GPUs of its --id list (all without one), and keeps its call count and last arguments beside
+# itself.
 FAKE_NVIDIA_SMI = """#!/bin/sh
 n=$(cat "$0.count" 2>/dev/null || echo 0)
 echo $((n + 1)) > "$0.count"
 echo "$@" > "$0.args"
-echo "0, $((1980 - 10 * n)), 650.5, 700.00, $((60 + n))"
-echo "1, 1755, 690.0, 700.00, 66"
+ids=0,1
+for a in "$@"; do case $a in --id=*) ids=${a#--id=};; esac; done
+case ",$ids," in *,0,*) echo "0, $((1980 - 10 * n)), 650.5, 700.00, $((60 + n))";; esac
+case ",$ids," in *,1,*) echo "1, 1755, 690.0, 700.00, 66";; esac
 """
 
 
@@ -77,6 +80,7 @@ def test_gpu_monitor_summarises_each_gpu_after_a_time(tmp_path, monkeypatch):
         f"--query-gpu={','.join(QUERY)}", "--format=csv,noheader,nounits"]
     summary = monitor.summary()
     assert summary["interval_s"] == 0.01 and summary["since_s"] == 0.0 and "error" not in summary
+    assert summary["gpu_ids"] is None and summary["until_s"] is None
     first, second = summary["gpus"]
     times = [round(t, 2) for t, _ in monitor.samples]
     assert times == sorted(times) and len(times) == calls
@@ -89,7 +93,36 @@ def test_gpu_monitor_summarises_each_gpu_after_a_time(tmp_path, monkeypatch):
     later = monitor.summary(since_s=monitor.samples[2][0])["gpus"][0]
     assert later["samples"] == calls - 2 and later["sm_clock_mhz_max"] == 1980 - 20
     assert later["series_s_mhz_w_c"] == first["series_s_mhz_w_c"]  # the series always starts at the start
-    assert monitor.summary(since_s=1e9) == {"error": "no sample after 1000000000.0 s"}
+    # and only those up to until_s: the first two, with the higher clocks
+    early = monitor.summary(until_s=monitor.samples[1][0])
+    assert early["until_s"] == round(monitor.samples[1][0], 1)
+    assert early["gpus"][0]["samples"] == 2 and early["gpus"][0]["sm_clock_mhz_min"] == 1980 - 10
+    assert monitor.summary(since_s=1e9) == {"error": "no sample from 1000000000.0 s to inf s"}
+
+
+def test_gpu_monitor_asks_only_for_the_gpus_of_the_run(tmp_path, monkeypatch):
+    """run_gpus: the first nproc of CUDA_VISIBLE_DEVICES (indices or UUIDs), else 0 .. nproc - 1; the monitor and
+    active_clock_reasons pass them to nvidia-smi as --id, and the summary holds those GPUs only."""
+    from bench.gpu_monitor import run_gpus
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert run_gpus(2) == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5,6")
+    assert run_gpus(2) == ["3", "5"] and run_gpus(1) == ["3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8a1b,GPU-77c0")
+    assert run_gpus(1) == ["GPU-8a1b"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # set but empty: no GPU named, as if unset
+    assert run_gpus(1) == ["0"]
+
+    exe = fake_nvidia_smi(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{exe.parent}{os.pathsep}{os.environ['PATH']}")
+    with GpuMonitor(interval_s=0.01, gpus=["1"]) as monitor:
+        wait_for_samples(monitor, 2)
+    assert (tmp_path / "bin" / "nvidia-smi.args").read_text().split()[-1] == "--id=1"
+    summary = monitor.summary()
+    assert summary["gpu_ids"] == ["1"] and [gpu["index"] for gpu in summary["gpus"]] == [1]
+    assert active_clock_reasons(["0", "1"]) == []  # the stand-in reports no reason, and was asked for both
+    assert (tmp_path / "bin" / "nvidia-smi.args").read_text().split() == ["-q", "-d", "PERFORMANCE", "--id=0,1"]
 
 
 def test_gpu_monitor_says_why_it_has_no_samples(tmp_path, monkeypatch):
@@ -161,7 +194,7 @@ def test_speedrun_on_the_cpu_writes_its_rows_and_keeps_the_run_folder(tmp_path):
                            "--val_tokens=1024", "--warmup_steps=0", "--log_every=1"],
                           cwd=REPO, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-                               "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+                               "TRITON_CACHE_DIR": str(tmp_path / "triton"), "CUDA_VISIBLE_DEVICES": "1",
                                "PATH": f"{exe.parent}{os.pathsep}{os.environ['PATH']}"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -172,9 +205,13 @@ def test_speedrun_on_the_cpu_writes_its_rows_and_keeps_the_run_folder(tmp_path):
     assert result["config"]["tokens_per_step"] == 2 * 256 and result["config"]["val_context"] > 0
     assert [row["step"] for row in result["val_rows"]] == [0, 2, 4]
     assert result["val_rows"][0]["val_loss"] > result["val_rows"][-1]["val_loss"] > 0
-    # the stand-in nvidia-smi's two GPUs, sampled during the run
-    assert [gpu["index"] for gpu in result["gpu_monitor"]["gpus"]] == [0, 1]
-    assert result["gpu_monitor"]["gpus"][1]["sm_clock_mhz_median"] == 1755
+    # the stand-in nvidia-smi's GPU 1, the one CUDA_VISIBLE_DEVICES gives the run, sampled up to the last step's
+    # line (from the start: --warmup_steps=0 prints no warm-up line), not through the exit after it
+    monitor = result["gpu_monitor"]
+    assert monitor["gpu_ids"] == ["1"] and [gpu["index"] for gpu in monitor["gpus"]] == [1]
+    assert monitor["gpus"][0]["sm_clock_mhz_median"] == 1755
+    assert result["startup_to_warm_s"] is None and monitor["since_s"] == 0.0
+    assert 0 < monitor["until_s"] < result["wall_s"]
     (run_folder,) = keep.iterdir()
     assert {"log.txt", "metrics.jsonl"} <= {p.name for p in run_folder.iterdir()}
 
