@@ -67,6 +67,8 @@ class TrainConfig:
     final_lr_frac: float = 0.1  # learning rate at the last step, as a fraction of the peak (record #28)
     lr_hidden: float = 0.05  # Muon learning rate for the hidden matrices (record #28)
     muon_method: str = "jordan"  # Muon's orthogonalisation: jordan (Muon's quintic) or polar_express (optim/muon.py)
+    # NorMuon evens Muon's update out per neuron by a running mean square (optim/muon.py, normalize_neurons)
+    normuon_beta2: float = 0.0  # > 0: NorMuon (Li et al. 2025) with this averaging factor (paper: 0.95); 0 = off (#28)
     lr_embed: float = 0.6  # Adam learning rate for token and value embeddings (record #28: 0.008 x lr_mul 75)
     lr_head: float = 0.008  # Adam learning rate for the LM head (record #28)
     lr_scalar: float = 0.04  # Adam learning rate for the mixing scalars (record #28)
@@ -168,6 +170,9 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
         raise ValueError(f"--vocab_size={cfg.vocab_size} is smaller than the shards' GPT-2 vocabulary of "
                          f"{VOCAB_SIZE} ids; keep the default --vocab_size={TrainConfig.vocab_size}")
     check_method(cfg.muon_method)
+    if not 0 <= cfg.normuon_beta2 < 1:
+        raise ValueError(f"--normuon_beta2={cfg.normuon_beta2} must be from 0 (plain Muon) to below 1; NorMuon's "
+                         f"paper uses --normuon_beta2=0.95")
     for name in ("lr_hidden", "lr_embed", "lr_head", "lr_scalar"):
         # the optimizer holds learning rates in float32 tensors: a larger value cannot even be stored
         if not 0 <= getattr(cfg, name) <= torch.finfo(torch.float32).max:
@@ -321,7 +326,7 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
                                                   "value_embed": cfg.lr_embed, "head": cfg.lr_head,
                                                   "scalar": cfg.lr_scalar},
                         rank=rt.rank, world_size=rt.world_size, compile=cfg.compile and cuda,
-                        muon_method=cfg.muon_method)
+                        muon_method=cfg.muon_method, normuon_beta2=cfg.normuon_beta2)
 
     optimizer = new_optimizer()
     log.header(cfg, mcfg, device)

@@ -5,17 +5,21 @@ import torch
 import torch.distributed as dist
 
 from optim.adam import adam_update
-from optim.muon import apply_updates, check_method, nesterov_momentum, newton_schulz, shape_scale
+from optim.muon import (apply_updates, check_method, nesterov_momentum, neuron_shape, newton_schulz, normalize_neurons,
+                        shape_scale)
 
 
 class _MuonBucket:
     """The parameters of one Muon group that share a shape, stacked so one call handles them all."""
 
-    def __init__(self, group: str, params: list[torch.Tensor], world_size: int):
+    def __init__(self, group: str, params: list[torch.Tensor], world_size: int, normuon: bool):
         self.group = group
         self.params = params
         self.momentum = torch.zeros((len(params), *params[0].shape), dtype=params[0].dtype,
                                     device=params[0].device)
+        # NorMuon's running mean square per neuron (optim.muon.normalize_neurons), when it is on
+        self.second_moment = torch.zeros(neuron_shape((len(params), *params[0].shape)), device=params[0].device) \
+            if normuon else None
         self.scale = shape_scale(params[0].shape)
         self.share = -(-len(params) // world_size)  # matrices each rank orthogonalises (rank-padded)
 
@@ -40,7 +44,9 @@ class MuonAdam:
          views of one buffer, which both gloo and NCCL support; all_gather_into_tensor is deprecated in
          torch 2.13) collects the bf16 updates of all ranks.
       3. Adam groups are updated while those gathers are in flight; then every rank waits for the gathers
-         and applies the same Muon updates, so parameters stay identical on all ranks.
+         and applies the same Muon updates, so parameters stay identical on all ranks. With NorMuon
+         (normuon_beta2 > 0) every rank normalises the whole gathered stack, so its per-neuron state stays
+         replicated too.
     At world_size 1 no collective is called at all.
 
     State is replicated, not sharded: each rank holds the full Muon momentum and Adam moments. That costs
@@ -51,8 +57,12 @@ class MuonAdam:
 
     def __init__(self, param_groups: list[dict], *, lr: dict[str, float],
                  adam_betas: tuple[float, float] = (0.8, 0.95), adam_eps: float = 1e-10,
-                 rank: int = 0, world_size: int = 1, compile: bool = False, muon_method: str = "jordan"):
+                 rank: int = 0, world_size: int = 1, compile: bool = False, muon_method: str = "jordan",
+                 normuon_beta2: float = 0.0):
+        """normuon_beta2 > 0 turns NorMuon's per-neuron normalisation on (optim.muon.normalize_neurons), with this
+        averaging factor; 0 is plain Muon."""
         check_method(muon_method)
+        assert 0.0 <= normuon_beta2 < 1.0, f"normuon_beta2 {normuon_beta2} outside [0, 1)"
         seen: set[int] = set()
         for group in param_groups:
             assert group["kind"] in ("muon", "adam"), f"group {group['name']!r}: unknown kind {group['kind']!r}"
@@ -84,6 +94,7 @@ class MuonAdam:
         self._lr = {n: torch.zeros((), device=device) for n in names}
         self._momentum = torch.zeros((), device=device)
         self._step = torch.zeros((), device=device)
+        self._normuon_beta2 = torch.full((), normuon_beta2, device=device) if normuon_beta2 > 0 else None
 
         self._buckets: list[_MuonBucket] = []
         self._adam: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -92,7 +103,8 @@ class MuonAdam:
                 by_shape: dict[torch.Size, list[torch.Tensor]] = {}
                 for p in group["params"]:
                     by_shape.setdefault(p.shape, []).append(p)
-                self._buckets += [_MuonBucket(group["name"], ps, world_size) for ps in by_shape.values()]
+                self._buckets += [_MuonBucket(group["name"], ps, world_size, normuon_beta2 > 0)
+                                  for ps in by_shape.values()]
             else:
                 ps = group["params"]
                 self._adam[group["name"]] = ([torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps])
@@ -108,6 +120,7 @@ class MuonAdam:
         wrap = (lambda f: torch.compile(f, dynamic=False, options=options)) if compile and on_cuda else (lambda f: f)
         self._nesterov = wrap(nesterov_momentum)
         self._orthogonalize = wrap(functools.partial(newton_schulz, method=muon_method))
+        self._normalize = wrap(normalize_neurons)
         self._apply = wrap(apply_updates)
         self._adam_update = wrap(adam_update)
 
@@ -137,7 +150,7 @@ class MuonAdam:
             direction = self._nesterov(grads, bucket.momentum, self._momentum)
             lr = self._lr[bucket.group] * bucket.scale
             if not distributed:
-                self._apply(bucket.params, self._orthogonalize(direction), lr)
+                self._apply(bucket.params, self._neurons_evened(bucket, self._orthogonalize(direction)), lr)
                 continue
             mine = direction[self.rank * bucket.share:(self.rank + 1) * bucket.share]
             if len(mine) < bucket.share:
@@ -155,7 +168,13 @@ class MuonAdam:
 
         for bucket, _, gathered, lr, work in gathers:
             work.wait()
-            self._apply(bucket.params, gathered, lr)
+            self._apply(bucket.params, self._neurons_evened(bucket, gathered[:len(bucket.params)]), lr)
+
+    def _neurons_evened(self, bucket: _MuonBucket, updates: torch.Tensor) -> torch.Tensor:
+        """The bucket's orthogonalised updates, one per parameter, normalised per neuron where NorMuon is on."""
+        if bucket.second_moment is None:
+            return updates
+        return self._normalize(updates, bucket.second_moment, self._normuon_beta2)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:
@@ -167,12 +186,13 @@ class MuonAdam:
 
     def state_dict(self) -> dict:
         """{"step": int, "groups": {name: per-parameter state lists in the model's parameter order}}.
-        Muon groups hold "momentum", Adam groups "exp_avg" and "exp_avg_sq"; tensors are the live buffers
-        (like torch.optim), on the parameters' device. Nothing depends on rank or world size."""
+        Muon groups hold "momentum" (and "second_moment" with NorMuon), Adam groups "exp_avg" and "exp_avg_sq";
+        tensors are the live buffers (like torch.optim), on the parameters' device. Nothing depends on rank or world
+        size."""
         groups = {}
         for group in self.param_groups:
             if group["kind"] == "muon":
-                groups[group["name"]] = {"momentum": [self._momentum_of(p) for p in group["params"]]}
+                groups[group["name"]] = self._muon_state(group["params"])
             else:
                 exp_avgs, exp_avg_sqs = self._adam[group["name"]]
                 groups[group["name"]] = {"exp_avg": exp_avgs, "exp_avg_sq": exp_avg_sqs}
@@ -188,7 +208,7 @@ class MuonAdam:
         for group in self.param_groups:
             name, params = group["name"], group["params"]
             if group["kind"] == "muon":
-                targets = {"momentum": [self._momentum_of(p) for p in params]}
+                targets = self._muon_state(params)
             else:
                 exp_avgs, exp_avg_sqs = self._adam[name]
                 targets = {"exp_avg": exp_avgs, "exp_avg_sq": exp_avg_sqs}
@@ -218,9 +238,12 @@ class MuonAdam:
     def _adam_groups(self) -> list[dict]:
         return [g for g in self.param_groups if g["kind"] == "adam"]
 
-    def _momentum_of(self, p: torch.Tensor) -> torch.Tensor:
-        for bucket in self._buckets:
-            for i, q in enumerate(bucket.params):
-                if q is p:
-                    return bucket.momentum[i]
-        raise AssertionError("a Muon parameter has no momentum buffer")
+    def _muon_state(self, params: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+        """{"momentum": [...], and "second_moment": [...] with NorMuon}: views of the buckets' stacked buffers,
+        one per parameter, in the order of `params`."""
+        where = {id(q): (bucket, i) for bucket in self._buckets for i, q in enumerate(bucket.params)}
+        slots = [where[id(p)] for p in params]
+        state = {"momentum": [bucket.momentum[i] for bucket, i in slots]}
+        if self._normuon_beta2 is not None:
+            state["second_moment"] = [bucket.second_moment[i] for bucket, i in slots]
+        return state

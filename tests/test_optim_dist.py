@@ -1,4 +1,6 @@
-"""MuonAdam on two gloo ranks, each with half of the global batch, equals one process on the whole batch."""
+"""MuonAdam on two gloo ranks, each with half of the global batch, equals one process on the whole batch, with
+plain Muon and with NorMuon (whose per-neuron state every rank must keep the same)."""
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -45,12 +47,12 @@ def global_batch(step):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train(rank, world_size):
-    """STEPS optimizer steps on this rank's contiguous slice of each global batch; returns the parameters
-    and the last step's gradients (which the optimizer leaves averaged over ranks)."""
+def train(rank, world_size, normuon_beta2):
+    """STEPS optimizer steps on this rank's contiguous slice of each global batch; returns the parameters,
+    the last step's gradients (which the optimizer leaves averaged over ranks) and the optimizer's state."""
     torch.manual_seed(0)
     model = Tiny()
-    opt = MuonAdam(model.param_groups(), lr=LR, rank=rank, world_size=world_size)
+    opt = MuonAdam(model.param_groups(), lr=LR, rank=rank, world_size=world_size, normuon_beta2=normuon_beta2)
     rows = BATCH // world_size
     for step in range(STEPS):
         opt.zero_grad()
@@ -58,26 +60,33 @@ def train(rank, world_size):
         # The mean over an equal share, averaged over ranks, is the mean over the global batch.
         model(inputs[rank * rows:(rank + 1) * rows], targets[rank * rows:(rank + 1) * rows]).backward()
         opt.step(1.0 - 0.5 * step, 0.85 + 0.05 * step)
-    return [p.detach().clone() for p in model.parameters()], [p.grad.clone() for p in model.parameters()]
+    return ([p.detach().clone() for p in model.parameters()], [p.grad.clone() for p in model.parameters()],
+            opt.state_dict()["groups"]["hidden"])
 
 
-def rank_main(rank, world_size, store, out_dir):
+def rank_main(rank, world_size, store, out_dir, normuon_beta2):
     torch.set_num_threads(1)  # two ranks share the two CPU cores of CI
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
-        torch.save(train(rank, world_size), f"{out_dir}/rank{rank}.pt")
+        torch.save(train(rank, world_size, normuon_beta2), f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_two_gloo_ranks_match_one_process_on_the_global_batch(tmp_path):
+@pytest.mark.parametrize("normuon_beta2", [0.0, 0.95])
+def test_two_gloo_ranks_match_one_process_on_the_global_batch(tmp_path, normuon_beta2):
     # fork, not spawn: a spawned child re-imports torch (seconds each on CI's two cores); DataLoader workers
     # fork the same way, and rank_main limits each child to one thread.
-    mp.start_processes(rank_main, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True,
-                       start_method="fork")
-    reference, reference_grads = train(rank=0, world_size=1)
-    rank0, grads0 = torch.load(tmp_path / "rank0.pt")
-    rank1, _ = torch.load(tmp_path / "rank1.pt")
+    mp.start_processes(rank_main, args=(2, str(tmp_path / "store"), str(tmp_path), normuon_beta2), nprocs=2,
+                       join=True, start_method="fork")
+    reference, reference_grads, reference_state = train(rank=0, world_size=1, normuon_beta2=normuon_beta2)
+    rank0, grads0, state0 = torch.load(tmp_path / "rank0.pt")
+    rank1, _, state1 = torch.load(tmp_path / "rank1.pt")
+    assert set(state0) == ({"momentum", "second_moment"} if normuon_beta2 else {"momentum"})
+    for key in state0:  # replicated: equal on both ranks, and (up to rounding, as below) the one process's
+        for a, b, ref in zip(state0[key], state1[key], reference_state[key], strict=True):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, ref, atol=1e-3, rtol=1e-3)
     # Muon and Adam barely notice a gradient's scale, so a sum left undivided would pass the parameter
     # check below; the averaged gradients themselves must match the global-batch gradient.
     for g, ref in zip(grads0, reference_grads, strict=True):

@@ -299,6 +299,8 @@ def test_25_bad_id_in_the_validation_shard(corpus):
     ("lr_hidden", math.nan, "--lr_hidden=nan must be a number"),
     ("lr_head", -0.1, "--lr_head=-0.1 must be a number"),
     ("muon_method", "newton", "--muon_method='newton': use one of ['jordan', 'polar_express']"),
+    ("normuon_beta2", 1.0, "--normuon_beta2=1.0 must be from 0 (plain Muon) to below 1; NorMuon's paper uses "
+     "--normuon_beta2=0.95"),
     ("no_attention_layers", "seven", "--no_attention_layers='seven' must be comma-separated layer numbers, e.g. "
      "--no_attention_layers=0,7, or --no_attention_layers=''"),
     ("no_mlp_layers", "12", "--no_mlp_layers='12' names a layer outside 0..11 (--num_layers=12); pass layers inside "
