@@ -36,18 +36,23 @@ def number(field: str) -> float | None:
 
 def run_gpus(nproc: int) -> list[str]:
     """nvidia-smi's ids of the GPUs that a run of nproc processes uses: the first nproc of CUDA_VISIBLE_DEVICES
-    (indices or UUIDs, as nvidia-smi takes them), else 0 .. nproc - 1. Both count in PCI bus order where
-    CUDA_DEVICE_ORDER=PCI_BUS_ID, and on a machine of one GPU model (CUDA's default puts the fastest first)."""
+    (indices or UUIDs, as nvidia-smi takes them), else 0 .. nproc - 1. nvidia-smi numbers the GPUs in PCI bus
+    order; CUDA does too with CUDA_DEVICE_ORDER=PCI_BUS_ID, or where all GPUs are one model (its default order puts
+    the fastest first)."""
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     return (visible or [str(i) for i in range(nproc)])[:nproc]
+
+
+def id_args(gpus: list[str] | None) -> list[str]:
+    """nvidia-smi's arguments that limit a query to these GPU ids (None: all GPUs)."""
+    return [f"--id={','.join(gpus)}"] if gpus else []
 
 
 def query(executable: str, gpus: list[str] | None = None) -> list[list[float | None]]:
     """One row [index, SM clock MHz, power W, power limit W, temperature C] per GPU (None: not reported), of the
     GPUs with these nvidia-smi ids (None: all); ValueError on an answer that is neither."""
     command = [executable, f"--query-gpu={','.join(QUERY)}", "--format=csv,noheader,nounits"]
-    out = subprocess.run(command + ([f"--id={','.join(gpus)}"] if gpus else []),
-                         capture_output=True, text=True, timeout=10, check=True).stdout
+    out = subprocess.run(command + id_args(gpus), capture_output=True, text=True, timeout=10, check=True).stdout
     return [[number(v) for v in line.split(",")] for line in out.splitlines() if line.strip()]
 
 
@@ -58,8 +63,8 @@ def active_clock_reasons(gpus: list[str] | None = None) -> list[str] | str:
     if executable is None:
         return "nvidia-smi not found"
     try:
-        out = subprocess.run([executable, "-q", "-d", "PERFORMANCE"] + ([f"--id={','.join(gpus)}"] if gpus else []),
-                             capture_output=True, text=True, timeout=10, check=True).stdout
+        out = subprocess.run([executable, "-q", "-d", "PERFORMANCE", *id_args(gpus)], capture_output=True, text=True,
+                             timeout=10, check=True).stdout
     except subprocess.CalledProcessError as e:
         return f"nvidia-smi exited with status {e.returncode}: {' '.join(e.stderr.split())[:200]}"
     except (OSError, subprocess.SubprocessError) as e:
