@@ -56,6 +56,13 @@ def query(executable: str, gpus: list[str] | None = None) -> list[list[float | N
     return [[number(v) for v in line.split(",")] for line in out.splitlines() if line.strip()]
 
 
+def failed(e: Exception) -> str:
+    """Why an nvidia-smi call gave no answer, on one line: its exit status and stderr, or the error."""
+    if isinstance(e, subprocess.CalledProcessError):
+        return f"nvidia-smi exited with status {e.returncode}: {' '.join(e.stderr.split())[:200]}"
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
 def active_clock_reasons(gpus: list[str] | None = None) -> list[str] | str:
     """The reasons `nvidia-smi -q -d PERFORMANCE` reports active now, what holds the clocks down ("SW Power Cap",
     "Idle", ...), over the GPUs with these ids (None: all); or why it could not say."""
@@ -65,10 +72,8 @@ def active_clock_reasons(gpus: list[str] | None = None) -> list[str] | str:
     try:
         out = subprocess.run([executable, "-q", "-d", "PERFORMANCE", *id_args(gpus)], capture_output=True, text=True,
                              timeout=10, check=True).stdout
-    except subprocess.CalledProcessError as e:
-        return f"nvidia-smi exited with status {e.returncode}: {' '.join(e.stderr.split())[:200]}"
     except (OSError, subprocess.SubprocessError) as e:
-        return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        return failed(e)
     reasons = [line.split(":")[0].strip() for line in out.splitlines() if line.strip().endswith(": Active")]
     return list(dict.fromkeys(reasons))  # once each, in the order first seen
 
@@ -109,11 +114,8 @@ class GpuMonitor:
             t = time.perf_counter() - self._t0
             try:
                 self.samples.append((t, query(executable, self.gpus)))
-            except subprocess.CalledProcessError as e:
-                self.error = f"nvidia-smi exited with status {e.returncode}: {' '.join(e.stderr.split())[:200]}"
-                return
             except (OSError, subprocess.SubprocessError, ValueError) as e:
-                self.error = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+                self.error = failed(e)
                 return
             self._stop.wait(self.interval_s)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.mlp_kernels import D, M, error_of_max, training_problem
-from bench.timing import graph_ms
+from bench.timing import failure, graph_ms
 from model import layers, mlp_kernels
 
 CONFIGS = [mlp_kernels.CONFIG, (128, 128, 64, 4, 4), (128, 64, 64, 6, 4), (64, 128, 64, 6, 4), (128, 128, 128, 2, 4)]
@@ -74,7 +74,7 @@ def measure(a, w, r, then) -> dict:
             row["max_err_of_max"] = error_of_max(mlp_kernels.launch(a, w, r, mlp_kernels.ADD, config), want)
             row["ms"] = graph_ms(lambda c=config: mlp_kernels.launch(a, w, r, mlp_kernels.ADD, c))
         except Exception as e:  # a configuration that does not fit is a result too
-            row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[-300:]}"
+            row["error"] = failure(e)
         result["configs"].append(row)
         print(row, flush=True)
     return result

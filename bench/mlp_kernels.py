@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.timing import median_ms
+from bench.timing import failure, median_ms
 from model import layers, mlp_kernels
 
 M, D, HIDDEN = 48 * 1024, 768, 3072
@@ -39,7 +39,7 @@ def checked_row(side: str, call, want, timer) -> dict:
         err = error_of_max(call(), want)
         ms = timer(call)
     except Exception as e:
-        err, ms = f"{type(e).__name__}: {' '.join(str(e).split())[-300:]}", "not run"
+        err, ms = failure(e), "not run"
     return {f"{side}_max_err_of_max": err, f"{side}_ms": ms, f"{side}_tflops": tflops(ms)}
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from bench.gpu_monitor import GpuMonitor, active_clock_reasons, run_gpus
 from bench.mlp_kernels import D, HIDDEN, M, error_of_max, training_problem
-from bench.timing import captured
+from bench.timing import captured, failure
 from model import layers, mlp_kernels
 
 SECONDS, REST_S, CHUNK_MS = 6.0, 4.0, 10.0
@@ -142,7 +142,7 @@ def main():
             row = {} if want is None else {"max_err_of_max": error_of_max(call(), want())}
             row |= run_kind(call)
         except Exception as e:  # a configuration that does not fit is a result too
-            row = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[-300:]}"}
+            row = {"error": failure(e)}
         result["kinds"][name] = row
         print(name, {k: v for k, v in row.items() if k != "series_s_mhz_w_c"}, flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

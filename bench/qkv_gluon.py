@@ -25,7 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from bench.timing import cuda_bf16_randn as randn, graph_ms
+from bench.timing import cuda_bf16_randn as randn, failure, graph_ms
 from model import layers, mlp_kernels, qkv_kernels
 
 B, T, H, D, DIM = 1, 49152, 6, 128, 768
@@ -196,7 +196,7 @@ def main():
                 name: ((g.float().view_as(e) - e).abs().max() / e.abs().max()).item()
                 for name, g, e in zip(("q", "k", "v", "v_own", "rstd"), got, exact)}, "ms": graph_ms(call)}
         except Exception as e:
-            row = {"config": config, "error": f"{type(e).__name__}: {' '.join(str(e).split())[-300:]}"}
+            row = {"config": config, "error": failure(e)}
         result["configs"].append(row)
         print(row, flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -27,6 +27,12 @@ def median_ms(fn) -> float:
     return round(statistics.median(cuda_times_ms(fn)), 3)
 
 
+def failure(e: Exception) -> str:
+    """A failed configuration's result in a kernel sweep: the error's type and the last 300 characters of its
+    message, on one line (Triton's compile errors end with the cause)."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[-300:]}"
+
+
 def cuda_bf16_randn(*shape) -> torch.Tensor:
     """Standard normal bf16 on the GPU from the default generator (the kernel benches seed it first)."""
     return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
