@@ -12,7 +12,8 @@ from torch import Tensor, nn
 
 from model.attention import block_mask, dense_mask, document_ids, short_window, window_blocks
 from model.head import Head
-from model.layers import Block, FanOut, SkipAdd, TableRows, add_all, norm, rotary_tables, sort_ids
+from model.layers import (SMEAR_GATE_CHANNELS, Block, FanOut, SkipAdd, TableRows, add_all, norm, rotary_tables,
+                          smear, sort_ids)
 
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("flex", "sdpa")
@@ -43,6 +44,7 @@ class GPTConfig:
     no_mlp_layers: tuple[int, ...] = ()
     no_attention_layers: tuple[int, ...] = ()
     attn_gate: bool = True  # record #28's sparse per-head attention output gate (model/layers.py)
+    smear: bool = False  # add a gated share of each token's previous embedding row (layers.smear); not in #28
 
     def __post_init__(self):
         for name in ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size"):
@@ -102,6 +104,7 @@ class GPT(nn.Module):
         model.head.compile(dynamic=False, fullgraph=True)
         model.add_gradients = torch.compile(model.add_gradients, dynamic=False, fullgraph=True)
         model.norm_rows = torch.compile(model.norm_rows, dynamic=False, fullgraph=True)
+        model.smear_rows = torch.compile(model.smear_rows, dynamic=False, fullgraph=True)  # with config.smear
     All blocks share one signature, (x, x0, v_first, ve, cos, sin, mask), so they share compiled code, one graph per
     presence pattern; every per-step value (the window) reaches them as a tensor, so schedules never recompile.
     """
@@ -113,6 +116,7 @@ class GPT(nn.Module):
         self.compute_dtype = torch.bfloat16
         self.add_gradients = add_all  # sums x0's gradients (layers.FanOut); compile_regions compiles it
         self.norm_rows = norm  # x0 from the embedding's rows (hidden_states); compile_regions compiles it
+        self.smear_rows = smear  # with config.smear, before norm_rows; compile_regions compiles it
         D, V, L = config.model_dim, config.vocab_size, config.num_layers
         attn_dim = config.num_heads * config.head_dim
         # _weight=empty: skip nn.Embedding's own random init, so construction neither costs time nor draws from
@@ -128,6 +132,10 @@ class GPT(nn.Module):
         # U-net skips (modded-nanogpt): block i < L//2 feeds block L-1-i through a learned weight; a one-block
         # model has none (an empty parameter would never get a gradient)
         self.skip_weights = nn.Parameter(torch.empty(L // 2)) if L >= 2 else None
+        # the smear's gate over a row's first channels, and its weight: both zero at init, so a model with the smear
+        # starts as one without (sigmoid(0) = 1/2 times a weight 0); the weight's gradient opens it
+        self.smear_gate = nn.Parameter(torch.empty(min(SMEAR_GATE_CHANNELS, D))) if config.smear else None
+        self.smear_lambda = nn.Parameter(torch.empty(1)) if config.smear else None
         self.head = Head(D, V, config.logit_softcap)  # untied from the embedding: its own storage
 
     def init_weights(self) -> None:
@@ -138,6 +146,9 @@ class GPT(nn.Module):
             block.init_weights()
         if self.skip_weights is not None:
             nn.init.ones_(self.skip_weights)
+        if self.config.smear:
+            nn.init.zeros_(self.smear_gate)
+            nn.init.zeros_(self.smear_lambda)
         nn.init.zeros_(self.head.weight)  # zero-init head (modded-nanogpt): the first loss is exactly ln(V)
 
     def compile_regions(self, **kwargs) -> None:
@@ -163,12 +174,15 @@ class GPT(nn.Module):
         self.head.compile(**kwargs)
         self.add_gradients = torch.compile(self.add_gradients, **kwargs)  # one kernel reads all, writes the sum once
         self.norm_rows = torch.compile(self.norm_rows, **kwargs)  # one kernel each way
+        if self.config.smear:
+            self.smear_rows = torch.compile(self.smear_rows, **kwargs)
 
     def param_groups(self) -> list[dict]:
         """Parameters tagged for the optimizer, chosen by module structure: Muon for every matrix inside the
         blocks ("hidden"), Adam for "embed", "value_embed", "head" and "scalar" (mixing weights). Empty groups
         are left out."""
-        hidden, scalar = [], [] if self.skip_weights is None else [self.skip_weights]
+        hidden = []
+        scalar = [p for p in (self.skip_weights, self.smear_gate, self.smear_lambda) if p is not None]
         for block in self.blocks:
             for p in block.parameters():
                 (hidden if p.ndim >= 2 else scalar).append(p)
@@ -216,6 +230,8 @@ class GPT(nn.Module):
                        for ve_BTA, emb in zip(ves_BTA, self.value_embeds)]
         else:  # no gradient to route
             ves_BTA = [[ve_BTA, ve_BTA] for ve_BTA in ves_BTA]
+        if cfg.smear:
+            rows_BTD = self.smear_rows(rows_BTD, inputs_BT, self.smear_gate, self.smear_lambda, cfg.bos_id)
         x0_BTD = self.norm_rows(rows_BTD)
         L, num_skips = cfg.num_layers, cfg.num_layers // 2
         # every block reads x0, and so does the stream's start: one view each, their gradients summed in one pass
@@ -278,10 +294,11 @@ def receptive_field(config: GPTConfig, window: int) -> int:
     """How many tokens before a position can change the model's output there (document starts aside). A window of
     W tokens (whole blocks of S) reaches from the last token of a block to the first of the block W / S - 1 blocks
     back; so the farthest path starts at the end of a block, each layer but one moves it W - S back, block end to
-    block end, and one layer W - 1, to a block's first token: sum(W - S) + S - 1."""
+    block end, and one layer W - 1, to a block's first token: sum(W - S) + S - 1. The smear reaches one token
+    further."""
     S = config.block_size
     windows = attention_windows(config, window).values()
-    return sum(w - S for w in windows) + S - 1 if windows else 0
+    return (sum(w - S for w in windows) + S - 1 if windows else 0) + int(config.smear)
 
 
 def mean_context(seq_len: int, window: int, block_size: int) -> float:

@@ -29,11 +29,25 @@ except ImportError:
 
 
 GATE_FRACTION = 64  # the attention gate reads the first D / 64 channels (record #28's dampen_factor)
+SMEAR_GATE_CHANNELS = 12  # the smear gate reads each row's first 12 channels (modded-nanogpt's smear module)
 
 
 def norm(x: Tensor) -> Tensor:
     """RMSNorm without a learned gain (modded-nanogpt): one less parameter group, no measurable loss."""
     return F.rms_norm(x, (x.size(-1),))
+
+
+def smear(rows_BTD: Tensor, inputs_BT: Tensor, gate_G: Tensor, lam_1: Tensor, bos_id: int) -> Tensor:
+    """Each row plus a gated share of the row before it: rows[t] + lam * sigmoid(rows[t, :G] . gate) * rows[t - 1]
+    (modded-nanogpt's smear module, after record #28: a cheap bigram feature before the first block). Never into a
+    sequence's first token or a document's (BOS), so no document sees another, as in attention. The share is
+    computed in fp32; the result has the rows' dtype."""
+    G = gate_G.numel()
+    rows_now, rows_before = rows_BTD[:, 1:], rows_BTD[:, :-1]
+    share_BT = lam_1 * torch.sigmoid(rows_now[..., :G].float() @ gate_G.float())
+    share_BT = share_BT * (inputs_BT[:, 1:] != bos_id)
+    smeared = rows_now.float() + share_BT[..., None] * rows_before.float()
+    return torch.cat([rows_BTD[:, :1], smeared.to(rows_BTD.dtype)], dim=1)
 
 
 def rotary_tables(seq_len: int, head_dim: int, base: float, device: torch.device) -> tuple[Tensor, Tensor]:

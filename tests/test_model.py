@@ -15,11 +15,12 @@ from model import gpt as gpt_module
 from model.attention import short_window
 from helpers import recorded_compile
 from model.gpt import GPT, GPTConfig, flops_per_token, mean_context, receptive_field
-from model.layers import add_all
+from model.layers import add_all, smear
 
 BOS = 0
 TINY = GPTConfig(vocab_size=256, num_layers=4, model_dim=64, num_heads=2, head_dim=32, num_value_embeds=1,
                  block_size=32, bos_id=BOS)
+SMEARED = dataclasses.replace(TINY, smear=True)
 T = 128
 
 
@@ -145,9 +146,11 @@ def test_reductions_agree_and_ignore_minus_100():
         model(inputs, targets, window, reduction="avg")
 
 
+@pytest.mark.parametrize("config", [TINY, SMEARED], ids=["plain", "smear"])
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
-def test_causality_and_document_isolation(backend):
-    model = tiny_model(backend=backend, random=True)
+def test_causality_and_document_isolation(backend, config):
+    """With the smear (random weights: open), too: it never carries a row into a document's first token."""
+    model = tiny_model(config, backend=backend, random=True)
     inputs, _ = batch()  # row 0: documents [0, 37), [37, 90), [90, 128)
     window = torch.tensor(T)
     with no_grad_for(backend), warnings.catch_warnings():
@@ -157,7 +160,8 @@ def test_causality_and_document_isolation(backend):
         future[1, 100] = 7 if inputs[1, 100] != 7 else 8
         changed = model.logits(future, window)
         other_doc = inputs.clone()
-        other_doc[0, 60] = 7 if inputs[0, 60] != 7 else 8
+        for t in (60, 89):  # 89: the last token before a document start, which the smear must not carry over
+            other_doc[0, t] = 7 if inputs[0, t] != 7 else 8
         isolated = model.logits(other_doc, window)
     # exact: masked keys get weight exp(-inf) = 0, so nothing of them can leak in
     assert torch.equal(changed[1, :100], base[1, :100]) and torch.equal(changed[0], base[0])
@@ -177,8 +181,9 @@ def test_flex_and_sdpa_models_agree():
         assert (a - b).abs().max() < 1e-4  # fp32; losses of order 10 with random weights
 
 
-def test_every_parameter_gets_a_gradient():
-    model = tiny_model(random=True)
+@pytest.mark.parametrize("config", [TINY, SMEARED], ids=["plain", "smear"])
+def test_every_parameter_gets_a_gradient(config):
+    model = tiny_model(config, random=True)
     model(*batch(), torch.tensor(64)).backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
@@ -296,15 +301,16 @@ def test_partial_block_config_errors():
         GPTConfig(num_layers=4, num_value_embeds=1, no_mlp_layers=(4,))
 
 
-def test_receptive_field_is_how_far_back_an_input_reaches():
+@pytest.mark.parametrize("config", [TINY, SMEARED], ids=["plain", "smear"])
+def test_receptive_field_is_how_far_back_an_input_reaches(config):
     """In one long document, changing the input token receptive_field() positions before a query changes the
     output there; one position further back it changes nothing, bit for bit (masked keys weigh exactly 0)."""
     window = 64
-    rf = receptive_field(TINY, window)
+    rf = receptive_field(config, window)
     # layers 0 and 3 long (64 = 2 blocks), 1 and 2 short (32 = 1 block): each moves 64 - 32 or 0 tokens back from a
-    # block's end to a block's end, and one reaches on to the first token of its block, 31 further
-    assert rf == 2 * 32 + 2 * 0 + 31
-    model = tiny_model(random=True)
+    # block's end to a block's end, and one reaches on to the first token of its block, 31 further; the smear 1 more
+    assert rf == 2 * 32 + 2 * 0 + 31 + config.smear
+    model = tiny_model(config, random=True)
     inputs = torch.randint(1, TINY.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))
     inputs[0, 0] = BOS
 
@@ -320,6 +326,71 @@ def test_receptive_field_is_how_far_back_an_input_reaches():
         base = output_at(q)
         assert not torch.equal(output_at(q, q - reach), base)
         assert torch.equal(output_at(q, q - reach - 1), base)
+
+
+def smear_by_hand(rows, inputs, gate, lam, bos_id):
+    """layers.smear one token at a time, in float64."""
+    out = rows.double().clone()
+    for b in range(rows.size(0)):
+        for t in range(1, rows.size(1)):
+            if inputs[b, t] != bos_id:
+                share = lam.double() * torch.sigmoid(rows[b, t, :gate.numel()].double() @ gate.double())
+                out[b, t] += share * rows[b, t - 1].double()
+    return out
+
+
+def test_smear_against_a_token_by_token_reference():
+    """The smear adds a gated share of the row before to every row but a sequence's first and a document's first
+    (BOS); with its weight at 0 (its init) it changes no bit, in bf16 too."""
+    g = torch.Generator().manual_seed(0)
+    inputs, _ = batch()
+    rows = torch.randn(2, T, 64, generator=g)
+    gate, lam = torch.randn(12, generator=g), torch.tensor([0.7])
+    out = smear(rows, inputs, gate, lam, BOS)
+    assert (out - smear_by_hand(rows, inputs, gate, lam, BOS)).abs().max() < 2e-6  # fp32 against float64
+    starts = inputs == BOS
+    starts[:, 0] = True
+    assert torch.equal(out[starts], rows[starts]) and (out[~starts] != rows[~starts]).any(-1).all()
+    rows_bf16 = rows.to(torch.bfloat16)
+    unchanged = smear(rows_bf16, inputs, gate.float(), torch.zeros(1), BOS)
+    assert unchanged.dtype == torch.bfloat16 and torch.equal(unchanged, rows_bf16)
+
+
+def test_smear_starts_as_the_model_without_it():
+    """Its gate and weight start at zero, so at init a model with the smear computes what one without does."""
+    smeared = tiny_model(SMEARED)
+    assert not smeared.smear_gate.any() and not smeared.smear_lambda.any()
+    scalar = smeared.param_groups()[-1]
+    assert scalar["name"] == "scalar"
+    assert {id(smeared.smear_gate), id(smeared.smear_lambda)} <= {id(p) for p in scalar["params"]}
+    plain = tiny_model(random=True)
+    smeared.load_state_dict(plain.state_dict(), strict=False)  # the same weights, the smear's kept at zero
+    inputs, targets = batch()
+    assert torch.equal(smeared(inputs, targets, torch.tensor(64)), plain(inputs, targets, torch.tensor(64)))
+    with torch.no_grad():
+        smeared.smear_lambda.fill_(0.5)
+    assert not torch.equal(smeared(inputs, targets, torch.tensor(64)), plain(inputs, targets, torch.tensor(64)))
+
+
+@pytest.mark.gpu
+def test_compiled_smear_on_cuda_matches_eager():
+    """compile_regions compiles the smear with inductor: bf16 rows, its values and gradients as the eager ops'."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    inputs = torch.randint(1, 50304, (1, 4096), device="cuda", generator=g)
+    inputs[0, ::300] = 50256
+    rows = torch.randn(1, 4096, 768, device="cuda", generator=g).bfloat16().requires_grad_()
+    gate = (0.3 * torch.randn(12, device="cuda", generator=g)).requires_grad_()
+    lam = torch.full((1,), 0.4, device="cuda", requires_grad=True)
+    compiled = torch.compile(smear, dynamic=False, fullgraph=True)
+    results = []
+    for fn in (smear, compiled):
+        out = fn(rows, inputs, gate, lam, 50256)
+        grads = torch.autograd.grad(out.float().square().sum(), (rows, gate, lam))
+        results.append((out, *grads))
+    (out, *grads), (out_c, *grads_c) = results
+    assert (out_c.float() - out.float()).abs().max() <= 0.02  # one bf16 rounding of values up to about 5
+    for a, b in zip(grads, grads_c):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
 
 
 BLOCK_LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
@@ -346,6 +417,7 @@ def test_compiled_attention_inputs_equal_eager():
 @pytest.mark.parametrize("parts, graphs", [
     ({"no_attention_layers": (3,)}, 6),  # the record's patterns: value embedding or not, layer 7 without attention
     ({"no_attention_layers": (3,), "no_mlp_layers": (0, 5), "value_residual": True}, 10),  # five: past the limit 8
+    ({"no_attention_layers": (3,), "smear": True}, 6),  # + the smear, once per mode
 ])
 def test_compiled_regions_compile_one_graph_per_block_pattern(parts, graphs):
     """compile_regions: training and validation together compile one block graph per presence pattern and mode,
@@ -360,8 +432,9 @@ def test_compiled_regions_compile_one_graph_per_block_pattern(parts, graphs):
         with torch.no_grad():
             model(inputs, targets, torch.tensor(T))
     blocks = [gm for gm in traced if "lambdas" in gm.code]  # every block mixes x0 in; the masks are "block" too
-    # + embeddings, x0's norm, masks and head, each for training and validation, and x0's gradient sum (training)
-    assert len(traced) == graphs + 9
+    # + embeddings, x0's norm, masks and head (and the smear), each for training and validation, and x0's gradient
+    # sum (training)
+    assert len(traced) == graphs + 9 + 2 * config.smear
     assert len(blocks) == graphs
 
 
