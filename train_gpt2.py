@@ -60,6 +60,7 @@ class TrainConfig:
     value_residual: bool = False  # mix layer 0's values into every later layer's (Zhou et al. 2024); not in #28
     attn_gate: bool = True  # per-head sigmoid gate on the attention output (record #28's sparse attention gate)
     smear: bool = False  # add a gated share of the previous token's embedding (modded-nanogpt after #28); not in #28
+    backout: bool = False  # the head sees the last block's output less 0.2 (learned) of the mid-stream; not in #28
     logit_softcap: float = 15.0  # cap * tanh(logits / cap) (Gemma 2); 15 since modded-nanogpt's 2025-01-04 record
     fp8_head: bool = True  # LM head matmuls in FP8 on GPUs that have it (compute capability 8.9+), bf16 elsewhere
     # optimization
@@ -227,7 +228,8 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
     return GPTConfig(vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, model_dim=cfg.model_dim,
                      num_heads=cfg.num_heads, head_dim=cfg.head_dim, num_value_embeds=cfg.num_value_embeds,
                      logit_softcap=cfg.logit_softcap, block_size=BLOCK_SIZE, value_residual=cfg.value_residual,
-                     attn_gate=cfg.attn_gate, smear=cfg.smear, short_window_layers=short_window_layers(cfg),
+                     attn_gate=cfg.attn_gate, smear=cfg.smear, backout=cfg.backout,
+                     short_window_layers=short_window_layers(cfg),
                      no_mlp_layers=layer_list("no_mlp_layers", cfg.no_mlp_layers, cfg.num_layers),
                      no_attention_layers=layer_list("no_attention_layers", cfg.no_attention_layers, cfg.num_layers))
 

@@ -18,6 +18,7 @@ from model.layers import (SMEAR_GATE_CHANNELS, Block, FanOut, SkipAdd, TableRows
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("flex", "sdpa")
 FLEX_MIN_HEAD_DIM = 16  # FlexAttention's GPU kernels: "embedding dimension ... must be at least 16"
+BACKOUT_INIT = 0.2  # the backout takes out 0.2 of the mid-stream at init (nanochat's backout_lambda)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class GPTConfig:
     no_attention_layers: tuple[int, ...] = ()
     attn_gate: bool = True  # record #28's sparse per-head attention output gate (model/layers.py)
     smear: bool = False  # add a gated share of each token's previous embedding row (layers.smear); not in #28
+    backout: bool = False  # add a learned multiple (init -0.2) of the mid-stream to the last block's output; not #28
 
     def __post_init__(self):
         for name in ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size"):
@@ -136,6 +138,9 @@ class GPT(nn.Module):
         # starts as one without (sigmoid(0) = 1/2 times a weight 0); the weight's gradient opens it
         self.smear_gate = nn.Parameter(torch.empty(min(SMEAR_GATE_CHANNELS, D))) if config.smear else None
         self.smear_lambda = nn.Parameter(torch.empty(1)) if config.smear else None
+        # the backout (nanochat, later modded-nanogpt records): the stream entering block L // 2, times this weight,
+        # joins the last block's output, so the head can take out what the first half wrote
+        self.backout_weight = nn.Parameter(torch.empty(1)) if config.backout else None
         self.head = Head(D, V, config.logit_softcap)  # untied from the embedding: its own storage
 
     def init_weights(self) -> None:
@@ -149,6 +154,8 @@ class GPT(nn.Module):
         if self.config.smear:
             nn.init.zeros_(self.smear_gate)
             nn.init.zeros_(self.smear_lambda)
+        if self.config.backout:
+            nn.init.constant_(self.backout_weight, -BACKOUT_INIT)
         nn.init.zeros_(self.head.weight)  # zero-init head (modded-nanogpt): the first loss is exactly ln(V)
 
     def compile_regions(self, **kwargs) -> None:
@@ -182,7 +189,8 @@ class GPT(nn.Module):
         blocks ("hidden"), Adam for "embed", "value_embed", "head" and "scalar" (mixing weights). Empty groups
         are left out."""
         hidden = []
-        scalar = [p for p in (self.skip_weights, self.smear_gate, self.smear_lambda) if p is not None]
+        extras = (self.skip_weights, self.smear_gate, self.smear_lambda, self.backout_weight)
+        scalar = [p for p in extras if p is not None]
         for block in self.blocks:
             for p in block.parameters():
                 (hidden if p.ndim >= 2 else scalar).append(p)
@@ -244,6 +252,8 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             if i >= L - num_skips:  # second half: add the mirrored first-half output (U-net)
                 x_BTD = SkipAdd.apply(x_BTD, skips.pop(), self.skip_weights[i - (L - num_skips)])
+            if i == L // 2:
+                mid_BTD = x_BTD  # what the middle block reads: the backout's
             ve_index = cfg.value_embed_index(i)
             ve_BTA = None if ve_index is None else ves_BTA[ve_index].pop()
             mask = masks[cfg.is_short_window(i)]
@@ -252,6 +262,8 @@ class GPT(nn.Module):
                 v_first_BTHd = v_BTHd
             if i < num_skips:
                 skips.append(x_BTD)
+        if cfg.backout:
+            x_BTD = SkipAdd.apply(x_BTD, mid_BTD, self.backout_weight[0])
         return x_BTD
 
     def attention_inputs(self, inputs_BT: Tensor, window: Tensor) -> tuple[dict, Tensor, Tensor]:

@@ -21,6 +21,7 @@ BOS = 0
 TINY = GPTConfig(vocab_size=256, num_layers=4, model_dim=64, num_heads=2, head_dim=32, num_value_embeds=1,
                  block_size=32, bos_id=BOS)
 SMEARED = dataclasses.replace(TINY, smear=True)
+BACKOUT = dataclasses.replace(TINY, backout=True)
 T = 128
 
 
@@ -181,7 +182,7 @@ def test_flex_and_sdpa_models_agree():
         assert (a - b).abs().max() < 1e-4  # fp32; losses of order 10 with random weights
 
 
-@pytest.mark.parametrize("config", [TINY, SMEARED], ids=["plain", "smear"])
+@pytest.mark.parametrize("config", [TINY, SMEARED, BACKOUT], ids=["plain", "smear", "backout"])
 def test_every_parameter_gets_a_gradient(config):
     model = tiny_model(config, random=True)
     model(*batch(), torch.tensor(64)).backward()
@@ -370,6 +371,25 @@ def test_smear_starts_as_the_model_without_it():
     with torch.no_grad():
         smeared.smear_lambda.fill_(0.5)
     assert not torch.equal(smeared(inputs, targets, torch.tensor(64)), plain(inputs, targets, torch.tensor(64)))
+
+
+@pytest.mark.parametrize("num_layers", [1, 4, 5])
+def test_backout_adds_its_weight_times_the_stream_entering_the_middle_block(num_layers):
+    """The backout's output is the plain model's plus its weight times the stream that enters block L // 2 (at odd
+    depths and one block, too); the weight starts at -0.2 and sits in the scalar group."""
+    config = dataclasses.replace(BACKOUT, num_layers=num_layers, num_value_embeds=num_layers // 2)
+    backout = tiny_model(config)
+    assert backout.backout_weight.tolist() == pytest.approx([-0.2])
+    assert any(p is backout.backout_weight for p in backout.param_groups()[-1]["params"])
+    plain = tiny_model(dataclasses.replace(config, backout=False), random=True)
+    backout.load_state_dict(plain.state_dict(), strict=False)
+    entering = []
+    plain.blocks[num_layers // 2].register_forward_pre_hook(lambda module, args: entering.append(args[0]))
+    inputs, window = batch()[0], torch.tensor(64)
+    with torch.no_grad():
+        expected = plain.hidden_states(inputs, window) - 0.2 * entering[0]
+        got = backout.hidden_states(inputs, window)
+    assert (got - expected).abs().max() < 1e-5
 
 
 @pytest.mark.gpu
