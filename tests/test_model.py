@@ -1,6 +1,7 @@
 """model/gpt.py: zero-init and the ln(V) first loss, untied head, softcap bound, parameter groups, reductions,
-causality and document isolation on both attention backends, a tiny model that learns, and the compiled regions:
-one graph per block pattern, no zero gradients filled for outputs nothing reads."""
+causality and document isolation on both attention backends, a tiny model that learns, the smear and the backout
+against references, and the compiled regions: one graph per block pattern, no zero gradients filled for outputs
+nothing reads."""
 
 import dataclasses
 import math
