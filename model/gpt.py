@@ -252,8 +252,8 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             if i >= L - num_skips:  # second half: add the mirrored first-half output (U-net)
                 x_BTD = SkipAdd.apply(x_BTD, skips.pop(), self.skip_weights[i - (L - num_skips)])
-            if i == L // 2:
-                mid_BTD = x_BTD  # what the middle block reads: the backout's
+            if cfg.backout and i == L // 2:
+                mid_BTD = x_BTD  # what the middle block reads: the backout's (held only when it is on)
             ve_index = cfg.value_embed_index(i)
             ve_BTA = None if ve_index is None else ves_BTA[ve_index].pop()
             mask = masks[cfg.is_short_window(i)]
