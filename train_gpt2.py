@@ -198,7 +198,7 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
 def check_resume(cfg: TrainConfig) -> None:
     """Refuse a missing, damaged or incompatible --resume now, not after minutes of compile warm-up."""
     saved = checkpoint.load_checkpoint(cfg.resume, mmap=True)["config"]  # mmap: only the config is read
-    differs = checkpoint.config_diff(saved, dataclasses.asdict(cfg), RESUME_MAY_CHANGE)
+    differs = checkpoint.config_diff(saved, dataclasses.asdict(cfg), RESUME_MAY_CHANGE, cfg.resume)
     if differs:
         raise UserError(f"--resume {cfg.resume}: the checkpoint was trained with a different config, which "
                         f"would change the math: {'; '.join(differs)}. Pass the same values to resume")

@@ -111,10 +111,21 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def config_diff(saved: dict, current: dict, ignore: set[str]) -> list[str]:
-    """Fields (outside `ignore`) whose values differ, as 'name: saved -> current'."""
-    names = (set(saved) | set(current)) - ignore
-    return [f"{n}: {saved.get(n)!r} -> {current.get(n)!r}" for n in sorted(names) if saved.get(n) != current.get(n)]
+# The fix for a checkpoint that another version of this code wrote: resume or read it with that version
+OTHER_VERSION_FIX = "check out the git_commit on the versions line of its run folder's log.txt"
+
+
+def config_diff(saved: dict, current: dict, ignore: set[str], path: str) -> list[str]:
+    """Fields (outside `ignore`) whose values differ, as 'name: saved -> current'. A UserError when the two do not
+    have the same fields: another version of the code wrote the checkpoint, and a field it lacks has no value that
+    this code could be told to match."""
+    lacks, unknown = sorted(set(current) - set(saved) - ignore), sorted(set(saved) - set(current) - ignore)
+    if lacks or unknown:
+        found = "; ".join(f"{what} {', '.join(names)}" for what, names in (("lacks", lacks), ("has unknown", unknown))
+                          if names)
+        raise UserError(f"--resume {path}: the checkpoint was written by another gpt-speedrun version (its config "
+                        f"{found}); resume it with that version: {OTHER_VERSION_FIX}")
+    return [f"{n}: {saved[n]!r} -> {current[n]!r}" for n in sorted(set(current) - ignore) if saved[n] != current[n]]
 
 
 def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
@@ -127,7 +138,7 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
     except (TypeError, RuntimeError) as e:  # unknown config fields; missing, extra or reshaped weights
         first = str(e).strip().splitlines()[0]
         raise UserError(f"{path}: the checkpoint's model does not fit this version of the code ({first}); it was "
-                        f"written by another gpt-speedrun version: check out the git_commit on the versions line of "
-                        f"its run folder's log.txt to sample or evaluate it") from None
+                        f"written by another gpt-speedrun version: {OTHER_VERSION_FIX} to sample or evaluate "
+                        f"it") from None
     use_device_paths(model, device)
     return model.eval(), state["config"]

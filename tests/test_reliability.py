@@ -443,6 +443,22 @@ def test_18_resume_with_a_config_that_changes_the_math(base_run, corpus, tmp_pat
     assert snapshot(base_run) == before
 
 
+def test_18b_resume_of_a_checkpoint_from_another_version(base_run, corpus, tmp_path):
+    """A checkpoint from before a field existed (or after one was dropped) has no value for it that a flag could
+    match: the message sends the user to the version that wrote it, not to "pass the same values"."""
+    state = torch.load(base_run / "ckpt_000002.pt", weights_only=False)
+    del state["config"]["smear"]  # as 8070262's predecessors wrote it
+    state["config"]["dropped_option"] = 1
+    older = tmp_path / "older" / "ckpt_000002.pt"
+    older.parent.mkdir()
+    torch.save(state, older)
+    result = run(train_cmd(corpus, tmp_path / "logs", *BASE, f"--resume={older}"))
+    assert_user_error(result, 2, f"--resume {older}: the checkpoint was written by another gpt-speedrun version (its "
+                                 "config lacks smear; has unknown dropped_option); resume it with that version: check "
+                                 "out the git_commit on the versions line of its run folder's log.txt")
+    assert not (tmp_path / "logs").exists()
+
+
 # A child that writes half of a checkpoint and dies like SIGKILL would leave it: no finally, no cleanup.
 KILLED_MID_WRITE = """
 import io, os, sys, torch
