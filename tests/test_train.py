@@ -44,13 +44,18 @@ def test_smoke_run_learns_within_a_minute(tmp_path):
     assert seconds < 90, f"smoke run took {seconds:.0f}s (target 60s on 2 cores; 90s leaves room for a busy CI)"
 
 
-def test_golden_first_losses(tmp_path):
+@pytest.mark.parametrize("optimizer, golden", [
+    ("--normuon_beta2=0.95", [10.825837135314941, 10.607941627502441, 10.625894546508789, 10.43726634979248,
+                              10.290685653686523]),  # the default since 4c7dfc2
+    ("--normuon_beta2=0", [10.825837135314941, 10.607932090759277, 10.625560760498047, 10.435091018676758,
+                           10.285305976867676]),  # record #28's plain Muon: the default until 4c7dfc2
+])
+def test_golden_first_losses(tmp_path, optimizer, golden):
     """Fixed seed, fixed data: these numbers change only when the math changes. Update them only with a
     reason in the commit message (measured with this test's command on the 2-core CPU machine)."""
-    _, metrics = train(tmp_path, *TINY, "--num_iterations=5", "--val_loss_every=0")
+    _, metrics = train(tmp_path, *TINY, "--num_iterations=5", "--val_loss_every=0", optimizer)
     got = [losses(metrics, "train_loss")[s] for s in range(1, 6)]
     # step 1 is ln(50304) (zero-initialised head); steps 2-5 carry the model, the optimizer and the data
-    golden = [10.825837135314941, 10.607941627502441, 10.625894546508789, 10.43726634979248, 10.290685653686523]
     assert got == pytest.approx(golden, rel=1e-5), got
 
 
