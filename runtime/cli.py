@@ -36,11 +36,16 @@ def _convert(name: str, kind: type, text: str):
         raise UserError(f"--{name} expects {expected}, got {text!r} (see --help)") from None
 
 
+HELP_COLUMN = 32  # widest "--name=default" that the help aligns
+
+
 def _help(cls, presets: dict) -> str:
     comments = _field_comments(cls)
     lines = [f"usage: train_gpt2.py [--preset {{{','.join(presets)}}}] [--name=value ...]", "", "flags:"]
-    for f in dataclasses.fields(cls):
-        lines.append(f"  --{f.name}={f.default!r:<12}  {comments.get(f.name, '')}")
+    flags = {f.name: f"--{f.name}={f.default!r}" for f in dataclasses.fields(cls)}
+    # one column for the help texts; the few flags longer than HELP_COLUMN (glob defaults) push theirs right
+    width = max(len(flag) for flag in flags.values() if len(flag) <= HELP_COLUMN)
+    lines += [f"  {flag:<{width}}  {comments.get(name, '')}" for name, flag in flags.items()]
     return "\n".join(lines)
 
 

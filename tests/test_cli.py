@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from runtime.cli import parse_config
+from runtime.cli import HELP_COLUMN, parse_config
 from runtime.errors import UserError
 from train_gpt2 import PRESETS, TrainConfig, derive, model_config
 
@@ -39,9 +39,14 @@ def test_every_field_is_a_flag_with_help(capsys):
         parse_config(TrainConfig, ["--help"], PRESETS)
     assert e.value.code == 0
     out = capsys.readouterr().out
+    columns = set()
     for f in dataclasses.fields(TrainConfig):
         line = next(l for l in out.splitlines() if l.strip().startswith(f"--{f.name}="))
-        assert len(line.split("  ")[-1].strip()) > 5, f"--{f.name} has no help text"
+        flag, text = line.strip().split("  ", 1)
+        assert len(text.strip()) > 5, f"--{f.name} has no help text"
+        if len(flag) <= HELP_COLUMN:
+            columns.add(line.index(text.strip()))
+    assert len(columns) == 1, columns  # the help texts start in one column
 
 
 def test_unknown_flag_suggests_the_nearest():
