@@ -5,10 +5,8 @@ route gradients: FanOut (one tensor, many readers) and TableRows (embedding rows
 the table's).
 
 Weights are fp32 master copies, cast to the activation dtype where they are used (`.type_as(x)`), so the
-optimizer always updates fp32 while the matmuls run in bf16. The hidden matrices' products (the Function Linear for
-attention's, ReLU2MLP for the MLP's) write their weights' gradients in fp32 straight from the bf16 operands
-(matmul_to): no bf16 rounding, no cast kernel. Construction only declares shapes (`torch.empty`); `init_weights()`
-assigns values.
+optimizer always updates fp32 while the matmuls run in bf16. Construction only declares shapes (`torch.empty`);
+`init_weights()` assigns values.
 
 Shape legend: B batch rows, T tokens, D model dim, H heads, d head dim, A = H * d attention width,
 F = mlp_ratio * D MLP width, P = d // 2 rotary pairs, G = D / 64 gate channels (GATE_FRACTION).
@@ -102,40 +100,6 @@ class MixNorm(torch.autograd.Function):
         return (*norm_kernels.mix_norm_grad(grad_x, grad_n, grad_gate, x_BTD, x0_BTD, lambdas), None)
 
 
-def matmul_to(a_MK: Tensor, b_KN: Tensor, dtype: torch.dtype) -> Tensor:
-    """a @ b written in `dtype`: a weight's gradient in its master's dtype (fp32) from bf16 operands, accumulated in
-    fp32 and rounded once, where autograd rounds the product to bf16 and casts it back (the cast a kernel of its own
-    per weight and micro-batch: 1.9 ms per step on the H200, bench/results/wgrad_accumulate_1xH200_46062d0.json).
-    On CUDA cuBLAS writes fp32 itself (out_dtype); the CPU has no such product, so there the operands go to fp32
-    first, where every bf16 value is exact."""
-    if dtype == a_MK.dtype:
-        return a_MK @ b_KN
-    if a_MK.is_cuda and dtype == torch.float32 and a_MK.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(a_MK, b_KN, out_dtype=dtype)
-    return a_MK.to(dtype) @ b_KN.to(dtype)
-
-
-class Linear(torch.autograd.Function):
-    """x @ W^T for x (..., K) and a weight W (N, K) kept in any dtype (the fp32 master), the product in x's dtype, as
-    F.linear(x, W.type_as(x)), but W's gradient comes back in W's dtype from matmul_to."""
-
-    @staticmethod
-    def forward(ctx, x_MK: Tensor, w_NK: Tensor) -> Tensor:
-        w_op = w_NK.to(x_MK.dtype)
-        ctx.save_for_backward(x_MK, w_op)
-        ctx.w_dtype = w_NK.dtype
-        return F.linear(x_MK, w_op)
-
-    @staticmethod
-    def backward(ctx, grad_y_MN: Tensor):
-        x_MK, w_op = ctx.saved_tensors
-        grad_x = grad_y_MN @ w_op if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = matmul_to(grad_y_MN.flatten(0, -2).t(), x_MK.flatten(0, -2), ctx.w_dtype)
-        return grad_x, grad_w
-
-
 def _uniform_(w: Tensor, std: float) -> None:
     bound = math.sqrt(3.0) * std  # a uniform on [-b, b] has std b / sqrt(3)
     nn.init.uniform_(w, -bound, bound)
@@ -210,7 +174,7 @@ class Attention(nn.Module):
         x's first G channels (mix_norm), read by the gate."""
         B, T, _ = x_BTD.shape
         H, d = self.num_heads, self.head_dim
-        qkv_BT3Hd = Linear.apply(x_BTD, self.qkv_w.flatten(0, 1)).view(B, T, 3 * H, d)
+        qkv_BT3Hd = F.linear(x_BTD, self.qkv_w.flatten(0, 1).type_as(x_BTD)).view(B, T, 3 * H, d)
         on_kernels = x_BTD.is_cuda and qkv_kernels is not None and qkv_kernels.supports(d)
         q_BTHd, k_BTHd, v_BTHd = (QKVPrep.apply if on_kernels else qkv_prep)(
             qkv_BT3Hd, cos_TP, sin_TP, self.value_lambdas, v_first_BTHd, ve_BTA)
@@ -220,7 +184,7 @@ class Attention(nn.Module):
             gate_BTH = torch.sigmoid(F.linear(gate_in_BTG, self.gate_w.type_as(gate_in_BTG)))
             y_BTHd = y_BTHd * gate_BTH[..., None]
         y_BTA = y_BTHd.reshape(B, T, H * d)
-        return Linear.apply(y_BTA, self.proj_w), v_BTHd
+        return F.linear(y_BTA, self.proj_w.type_as(y_BTA)), v_BTHd
 
 
 def relu2_matmul(x_MK: Tensor, w_KN: Tensor) -> Tensor:
@@ -245,16 +209,13 @@ TORCH_OPS = SimpleNamespace(relu2_matmul=relu2_matmul, relu2_matmul_grad=relu2_m
 
 
 class ReLU2MLP(torch.autograd.Function):
-    """r + relu(x @ W1)^2 @ W2^T for x (M, D), weights W1, W2 (D, F) in any dtype (the fp32 masters; the products
-    run in x's) and the residual stream r (M, D), keeping only x, the cast weights and the hidden h = relu(x @ W1)^2
-    for backward; the weights' gradients come back in their dtype from matmul_to. On Hopper GPUs all three products
-    that make or use the (M, F) hidden tensor run in the Gluon kernels of model/mlp_kernels.py, with the ReLU² and the
-    residual's add in their epilogues; elsewhere in the torch ops above (same names, same results)."""
+    """r + relu(x @ W1)^2 @ W2^T for x (M, D), W1, W2 (D, F) in x's dtype and the residual stream r (M, D), keeping
+    only x, the weights and the hidden h = relu(x @ W1)^2 for backward. On Hopper GPUs all three products that make
+    or use the (M, F) hidden tensor run in the Gluon kernels of model/mlp_kernels.py, with the ReLU² and the residual's
+    add in their epilogues; elsewhere in the torch ops above (same names, same results)."""
 
     @staticmethod
     def forward(ctx, x_MD: Tensor, fc_DF: Tensor, proj_DF: Tensor, r_MD: Tensor) -> Tensor:
-        ctx.w_dtype = fc_DF.dtype
-        fc_DF, proj_DF = fc_DF.to(x_MD.dtype), proj_DF.to(x_MD.dtype)
         on_kernels = mlp_kernels is not None and mlp_kernels.supports(x_MD, fc_DF)
         ops = mlp_kernels if on_kernels else TORCH_OPS
         h_MF = ops.relu2_matmul(x_MD, fc_DF)
@@ -267,8 +228,7 @@ class ReLU2MLP(torch.autograd.Function):
         x_MD, fc_DF, proj_DF, h_MF = ctx.saved_tensors
         grad_y_MD = grad_y_MD.contiguous()
         grad_pre_MF = (mlp_kernels if ctx.on_kernels else TORCH_OPS).relu2_matmul_grad(grad_y_MD, proj_DF, h_MF)
-        return (grad_pre_MF @ fc_DF.t(), matmul_to(x_MD.t(), grad_pre_MF, ctx.w_dtype),
-                matmul_to(grad_y_MD.t(), h_MF, ctx.w_dtype), grad_y_MD)
+        return grad_pre_MF @ fc_DF.t(), x_MD.t() @ grad_pre_MF, grad_y_MD.t() @ h_MF, grad_y_MD
 
 
 class MLP(nn.Module):
@@ -287,7 +247,8 @@ class MLP(nn.Module):
     def forward(self, x_BTD: Tensor, residual_BTD: Tensor) -> Tensor:
         """residual + the MLP of x: the residual stream after the MLP."""
         x_MD = x_BTD.flatten(0, 1)
-        y_MD = ReLU2MLP.apply(x_MD, self.fc_w, self.proj_w, residual_BTD.flatten(0, 1).contiguous())
+        y_MD = ReLU2MLP.apply(x_MD, self.fc_w.type_as(x_MD), self.proj_w.type_as(x_MD),
+                              residual_BTD.flatten(0, 1).contiguous())
         return y_MD.view_as(x_BTD)
 
 
