@@ -21,6 +21,11 @@ FLEX_MIN_HEAD_DIM = 16  # FlexAttention's GPU kernels: "embedding dimension ... 
 BACKOUT_INIT = 0.2  # the backout takes out 0.2 of the mid-stream at init (nanochat's backout_lambda)
 
 
+def value_embed_layers(k: int, num_value_embeds: int, num_layers: int) -> set[int]:
+    """The layers value embedding k feeds: layer k and layer L - n + k (record #28; GPTConfig.value_embed_index)."""
+    return {k, num_layers - num_value_embeds + k}
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     vocab_size: int = 50304  # GPT-2's 50,257 tokens padded to a multiple of 128 for matmul efficiency
@@ -70,6 +75,18 @@ class GPTConfig:
             if not all(0 <= i < self.num_layers for i in getattr(self, name)):
                 raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be layer indices below "
                                  f"num_layers={self.num_layers}")
+        no_attention = set(self.no_attention_layers)
+
+        def unread(n: int) -> list[int]:  # value embeddings, of n, whose layers all lack attention: never read
+            return [k for k in range(n) if value_embed_layers(k, n, self.num_layers) <= no_attention]
+
+        if unread(self.num_value_embeds):  # the optimizer refuses a table that never gets a gradient
+            k = unread(self.num_value_embeds)[0]
+            layers = sorted(value_embed_layers(k, self.num_value_embeds, self.num_layers))
+            fits = max(n for n in range(self.num_value_embeds) if not unread(n))
+            raise ValueError(f"value embedding {k} feeds layers {layers}, which no_attention_layers="
+                             f"{list(self.no_attention_layers)} leaves without attention, so it would never be "
+                             f"read; keep attention in one of them, or set num_value_embeds={fits}")
         if self.value_residual and 0 in self.no_attention_layers:
             raise ValueError("layer 0 must keep its attention: the value residual feeds its values to every later "
                              "layer; remove 0 from no_attention_layers")

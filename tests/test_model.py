@@ -5,6 +5,7 @@ nothing reads."""
 
 import dataclasses
 import math
+import re
 import warnings
 
 import pytest
@@ -301,6 +302,14 @@ def test_partial_block_config_errors():
     GPTConfig(no_attention_layers=(0,))  # fine without the value residual
     with pytest.raises(ValueError, match="no_mlp_layers"):
         GPTConfig(num_layers=4, num_value_embeds=1, no_mlp_layers=(4,))
+    # a value embedding read by no layer would never get a gradient; the advice keeps the ones that are read
+    with pytest.raises(ValueError, match=re.escape("value embedding 0 feeds layers [0, 1], which no_attention_layers="
+                                                   "[0, 1] leaves without attention") + ".*num_value_embeds=0$"):
+        GPTConfig(num_layers=2, num_value_embeds=1, no_attention_layers=(0, 1))
+    with pytest.raises(ValueError, match=r"value embedding 1 feeds layers \[1, 10\].*num_value_embeds=2$"):
+        GPTConfig(no_attention_layers=(1, 10))
+    GPTConfig(no_attention_layers=(1, 10), num_value_embeds=2)  # the advice: layers (0, 10) and (1, 11)
+    GPTConfig(no_attention_layers=(0, 11))  # each embedding keeps a reader: layers 9 and 2
 
 
 @pytest.mark.parametrize("config", [TINY, SMEARED], ids=["plain", "smear"])

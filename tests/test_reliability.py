@@ -305,6 +305,9 @@ def test_25_bad_id_in_the_validation_shard(corpus):
      "--no_attention_layers=0,7, or --no_attention_layers=''"),
     ("no_mlp_layers", "12", "--no_mlp_layers='12' names a layer outside 0..11 (--num_layers=12); pass layers inside "
      "it, or --no_mlp_layers=''"),
+    ("no_attention_layers", "0,9,2,11", "value embedding 0 feeds layers [0, 9], which no_attention_layers=[0, 2, "
+     "9, 11] leaves without attention, so it would never be read; keep attention in one of them, or set "
+     "num_value_embeds=2"),
     ("long_window_layers", "0;4", "--long_window_layers='0;4' must be comma-separated layer numbers, e.g. "
      "--long_window_layers=0,7, or --long_window_layers=auto"),
     ("val_context", 49152, "--val_context=49152 must be from 0 to --seq_len - 1 = 49151, or -1 for the model's "
