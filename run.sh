@@ -4,7 +4,8 @@
 #   NPROC=4 bash run.sh                  use 4 GPUs instead of all
 #   FINEWEB_SHARDS=20 bash run.sh        fetch this many FineWeb train shards (100M tokens each) instead of as many
 #                                        as the run reads
-# On a machine without a GPU, or when FineWeb cannot be fetched, it runs the smoke preset on the sample corpus.
+# On a machine without a GPU, or when FineWeb cannot be fetched, it runs the smoke preset on the sample corpus,
+# unless the flags name a --preset: that one runs as asked (on the CPU), or stops when its data cannot be fetched.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -21,8 +22,17 @@ case " $* " in
     *" --help "* | *" -h "*) exec python train_gpt2.py "$@" ;;  # the flags' help needs neither GPUs nor data
 esac
 
+names_preset() {
+    case " $* " in *" --preset"*) return 0 ;; esac
+    return 1
+}
+
 gpus=$(count_gpus)
 if [ "$gpus" -eq 0 ]; then
+    if names_preset "$@"; then
+        echo "run.sh: no GPU found, running the --preset you named on the CPU" >&2
+        exec python train_gpt2.py "$@"
+    fi
     echo "run.sh: no GPU found, running the CPU smoke preset" >&2
     exec python train_gpt2.py --preset smoke "$@"
 fi
@@ -42,6 +52,11 @@ case " $* " in
         fi
         if [ "${#train_shards[@]}" -lt "$FINEWEB_SHARDS" ] || [ "${#val_shards[@]}" -eq 0 ]; then
             if ! python data/cached_fineweb10B.py "$FINEWEB_SHARDS"; then
+                if names_preset "$@"; then
+                    echo "run.sh: FineWeb could not be fetched (see above), and the --preset you named reads it:" \
+                         "copy the shards into data/fineweb10B/ and run again" >&2
+                    exit 1
+                fi
                 # No network (or no hub): still show a working run instead of stopping at the download.
                 echo "run.sh: FineWeb could not be fetched (see above); running the smoke preset on the sample" \
                      "corpus instead. For the speedrun, copy the shards into data/fineweb10B/ and run again." >&2

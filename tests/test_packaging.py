@@ -158,6 +158,14 @@ def test_run_sh_without_gpu_runs_the_smoke_preset(tmp_path, nvidia_smi):
     assert calls == ["python train_gpt2.py --preset smoke --num_iterations=3 --seed 1"]
 
 
+@pytest.mark.parametrize("preset", [["--preset=d24"], ["--preset", "d24"]])
+def test_run_sh_without_gpu_runs_a_named_preset_as_asked(tmp_path, preset):
+    """A preset the user names is not replaced by the smoke preset: it runs on the CPU (train_gpt2 then says what
+    it lacks)."""
+    calls = _run_sh(tmp_path, NVIDIA_SMI_NO_DRIVER, args=[*preset, "--seed=1"])
+    assert calls == [f"python train_gpt2.py {' '.join(preset)} --seed=1"]
+
+
 def test_run_sh_fetches_missing_fineweb_then_uses_every_gpu(tmp_path):
     calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--seed=1"])
     assert calls == [
@@ -170,6 +178,11 @@ def test_run_sh_fetches_missing_fineweb_then_uses_every_gpu(tmp_path):
 def test_run_sh_falls_back_to_the_smoke_run_when_the_fetch_fails(tmp_path):
     calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--seed=1"], env={"FETCH_STATUS": "2"})
     assert calls[1:] == ["python data/cached_fineweb10B.py 9", "python train_gpt2.py --preset smoke --seed=1"]
+
+
+def test_run_sh_stops_when_the_fetch_fails_for_a_named_preset(tmp_path):
+    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--preset=d24"], env={"FETCH_STATUS": "2"}, status=1)
+    assert calls[1:] == ["python data/cached_fineweb10B.py 23"]
 
 
 def test_run_sh_skips_the_fetch_when_shards_are_present_and_honours_nproc(tmp_path):
