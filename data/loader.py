@@ -9,25 +9,45 @@ sequence (m * world_size + r) * device_batch_size + i. The sequences of a step t
 """
 import glob
 import math
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from data.prepare import SAMPLE_DIR
 from data.shard import BOS_ID, check_token_ids, read_header, read_shard
 
 DOWNLOAD_HINT = "download FineWeb shards with `python data/cached_fineweb10B.py N` or make your own with " \
                 "`python -m data.prepare INPUT... --out DIR`"
+SPLIT_GLOBS = {"--train_files": "*_train_*.bin", "--val_files": "*_val_*.bin"}  # names data.prepare and FineWeb use
 
 
 class DataExhausted(ValueError):
     """The training data ended and `cycle` is off."""
 
 
+def _folder_error(folder: str, pattern: str, flag: str) -> ValueError:
+    """A folder where shard files were expected; the message names the glob of the shards inside it."""
+    given = f"{flag}={pattern!r} " + ("is a folder" if folder == pattern else f"matches the folder {folder}")
+    if Path(folder).resolve() == SAMPLE_DIR:
+        return ValueError(f"{given}: for the sample corpus give {flag}=sample")
+    for name in (SPLIT_GLOBS[flag], "*.bin"):  # "*.bin" for shards named another way
+        suggestion = os.path.join(folder, name)
+        if found := glob.glob(suggestion):
+            return ValueError(f"{given}: use {flag}={suggestion!r} instead, the glob of the {len(found)} shard "
+                              f"file(s) in it")
+    return ValueError(f"{given} with no shard files (*.bin) in it: {DOWNLOAD_HINT}, then give {flag} their glob")
+
+
 def _shard_paths(pattern: str, flag: str) -> list[str]:
     paths = sorted(glob.glob(pattern))
     if not paths:
         raise ValueError(f"no shard files match {flag}={pattern!r}: {DOWNLOAD_HINT}, or fix {flag}")
+    folder = next((p for p in paths if os.path.isdir(p)), None)
+    if folder is not None:
+        raise _folder_error(folder, pattern, flag)
     return paths
 
 

@@ -202,8 +202,11 @@ def prepare(inputs, out, val_tokens: int = DEFAULT_VAL_TOKENS, shard_tokens: int
             raise PrepareError(f"no documents found in {', '.join(map(str, inputs))} ({len(files)} readable "
                                f"files, {len(skipped)} skipped): give .txt/.md/.jsonl files with text in them")
         if total <= val_tokens + 1:
+            # The advice must pass this check itself: 1 <= --val_tokens <= total - 2 (at least one train token).
+            fix = (f"lower --val_tokens (e.g. to {max(1, total // 10):,}) or add text" if total >= 3 else
+                   "add text (the smallest --val_tokens, 1, needs 3 tokens: 2 for validation, 1 for training)")
             raise PrepareError(f"the corpus has {total:,} tokens, but the validation shard alone takes --val_tokens "
-                               f"+ 1 = {val_tokens + 1:,}: lower --val_tokens (e.g. to {total // 10:,}) or add text")
+                               f"+ 1 = {val_tokens + 1:,}: {fix}")
         writer.close()
         shards = [out / shard for shard in writer.names]
         for shard in writer.names:

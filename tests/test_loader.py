@@ -1,11 +1,13 @@
 """data.loader: the token stream against a plain-Python reference, for every rank layout, shard walk and resume."""
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from data.loader import DataExhausted, TrainLoader, ValLoader
+from data.prepare import SAMPLE_DIR
 from data.shard import BOS_ID, ShardError, write_shard
 
 T, B = 16, 8  # seq_len, batch_size (sequences per optimizer step)
@@ -213,6 +215,28 @@ def test_val_loader_errors(tmp_path):
         ValLoader(pattern, val_tokens=350, **kwargs)
     with pytest.raises(ValueError, match=r"--val_files=.*cached_fineweb10B"):
         ValLoader(str(tmp_path / "missing_*.bin"), val_tokens=10, **kwargs)
+
+
+def test_folder_instead_of_glob_names_the_glob(tmp_path):
+    """A folder (one data.prepare wrote, say) where a glob belongs: the error gives the glob of its shards."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    write_shards(folder, name="corpus_train")
+    write_shards(folder, sizes=(150, 200), name="corpus_val")
+    kwargs = dict(seq_len=T, device_batch_size=1, rank=0, world_size=1, device="cpu")
+    train = re.escape(f"--train_files='{folder}' is a folder: use --train_files='{folder}/*_train_*.bin' instead")
+    with pytest.raises(ValueError, match=train):
+        TrainLoader(str(folder), batch_size=B, **kwargs)
+    val = re.escape(f"--val_files='{folder}' is a folder: use --val_files='{folder}/*_val_*.bin' instead")
+    with pytest.raises(ValueError, match=val):
+        ValLoader(str(folder), val_tokens=10, **kwargs)
+    with pytest.raises(ValueError, match=re.escape(f"matches the folder {folder}: use --train_files='{folder}/")):
+        TrainLoader(str(tmp_path / "mi*"), batch_size=B, **kwargs)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"is a folder with no shard files \(\*.bin\) in it: .*cached_fineweb10B"):
+        ValLoader(str(tmp_path / "empty"), val_tokens=10, **kwargs)
+    with pytest.raises(ValueError, match="for the sample corpus give --train_files=sample"):
+        TrainLoader(str(SAMPLE_DIR), batch_size=B, **kwargs)
 
 
 @pytest.mark.gpu

@@ -110,6 +110,27 @@ def test_bad_inputs_exit_2_without_output(tmp_path, capsys, case, match):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("text", ["a few words", "one two three four five six seven eight nine ten eleven"])
+def test_too_small_advice_is_accepted(tmp_path, capsys, text):
+    """The --val_tokens that the 'too small' error advises is one data.prepare then accepts."""
+    (tmp_path / "tiny.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    args = [str(tmp_path / "tiny.jsonl"), "--out", str(tmp_path / "out"), "--workers", "1"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    advised = re.search(r"lower --val_tokens \(e.g. to (\d+)\)", capsys.readouterr().err).group(1)
+    main(args + ["--val_tokens", advised])
+    assert (tmp_path / "out" / "corpus_train_000001.bin").exists()
+
+
+def test_too_small_for_any_val_tokens_says_add_text(tmp_path, capsys):
+    (tmp_path / "tiny.jsonl").write_text(json.dumps({"text": "a"}) + "\n")  # BOS + 1 token
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "tiny.jsonl"), "--out", str(tmp_path / "out"), "--val_tokens", "1", "--workers", "1"])
+    err = capsys.readouterr().err
+    assert "the corpus has 2 tokens" in err and "add text" in err and "lower --val_tokens" not in err
+
+
 def test_existing_shards_are_not_mixed_with_new_ones(tmp_path):
     make_corpus(tmp_path / "in")
     prepare([tmp_path / "in"], tmp_path / "out", val_tokens=40, workers=1)
