@@ -12,7 +12,16 @@ from data.cached_fineweb10B import DownloadError, download, main
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_download_skip_and_repair(tmp_path, hub, shard_bytes):
+@pytest.fixture
+def online(monkeypatch):
+    """Hub access allowed whatever the caller's shell sets: huggingface_hub reads HF_HUB_OFFLINE (or
+    TRANSFORMERS_OFFLINE) once, at import, into constants.HF_HUB_OFFLINE, so the constant is what must change."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+
+def test_download_skip_and_repair(tmp_path, hub, shard_bytes, online):
     endpoint, requests = hub
     paths = download(2, tmp_path, endpoint=endpoint)
     assert [p.name for p in paths] == list(shard_bytes)
@@ -31,7 +40,7 @@ def test_download_skip_and_repair(tmp_path, hub, shard_bytes):
     assert {name for _, name in requests} == {partial.name}
 
 
-def test_offline_lists_exactly_the_missing_files(tmp_path, hub, shard_bytes, monkeypatch):
+def test_offline_lists_exactly_the_missing_files(tmp_path, hub, shard_bytes, online, monkeypatch):
     endpoint, requests = hub
     download(1, tmp_path, endpoint=endpoint)
     requests.clear()
