@@ -278,6 +278,9 @@ def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
     device, cuda = rt.device, rt.device.type == "cuda"
     if cfg.resume:
         check_resume(cfg)
+    if cfg.hellaswag:  # its data file now, not after the training that a missing file would waste
+        from evals.hellaswag import check_available
+        check_available(cfg.hellaswag_file or None)
 
     # ----------------------------------------------------------------------------------------------
     # 2. data: every rank reads its share of the same global token stream

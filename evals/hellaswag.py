@@ -44,10 +44,29 @@ def _missing_message(reason: str) -> str:
             f"network and pass it with --hellaswag_file PATH (or copy it to {CACHE})")
 
 
-def download(dest: Path = CACHE) -> Path:
-    """Fetch the validation file into `dest` once; the file appears only after its checks pass."""
+def _check_download_allowed() -> None:
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         raise ValueError(_missing_message("HF_HUB_OFFLINE=1 forbids downloading it"))
+
+
+def _check_file(path: Path) -> None:
+    if not path.is_file():
+        raise ValueError(f"--hellaswag_file {path}: no such file; pass a copy of {URL}")
+
+
+def check_available(path: str | None) -> None:
+    """Raise now what select_examples(path, ...) would raise later for want of its file: a missing `path`, or, when
+    `path` is None, no cached file and downloads forbidden. train_gpt2 --hellaswag=1 calls it at start-up, so that a
+    run does not train for hours and then fail (without --checkpoint_every, losing the model). Downloads nothing."""
+    if path:
+        _check_file(Path(path))
+    elif not CACHE.is_file():
+        _check_download_allowed()
+
+
+def download(dest: Path = CACHE) -> Path:
+    """Fetch the validation file into `dest` once; the file appears only after its checks pass."""
+    _check_download_allowed()
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")  # per process: ranks may download at once
     try:
@@ -69,8 +88,7 @@ def download(dest: Path = CACHE) -> Path:
 def load_examples(path: Path) -> list[dict]:
     """The examples of a hellaswag_val.jsonl-format file; a ValueError names the file and line of a bad one."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--hellaswag_file {path}: no such file; pass a copy of {URL}")
+    _check_file(path)
     examples = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -187,11 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.limit < 0:
         raise ValueError(f"--limit={args.limit} must be 0 (all examples) or positive")
-    examples = select_examples(args.hellaswag_file, args.limit or None)
     rt = dist.setup(args.device)
     try:
-        model, _ = load_model(args.checkpoint, rt.device)
-        correct, total = count_correct(model, rt, examples)
+        # the checkpoint first: the argument the user typed, where the data file may be the default download
+        model, _ = load_model(args.checkpoint, rt.device, flag="--checkpoint")
+        correct, total = count_correct(model, rt, select_examples(args.hellaswag_file, args.limit or None))
         if rt.is_master:
             print(f"hellaswag accuracy: {correct / total:.4f} ({correct}/{total})")
     finally:

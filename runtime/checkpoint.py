@@ -54,30 +54,32 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_NAME.fullmatch(p.name).group(1)))
 
 
-def resolve(path: str) -> Path:
-    """`--resume` takes a checkpoint file or a run folder (then its newest checkpoint)."""
+def resolve(path: str, flag: str = "--resume") -> Path:
+    """A checkpoint file, or a run folder's newest checkpoint. `flag` is the option the user passed `path` with
+    (train_gpt2's --resume, sample.py's --checkpoint), so that the messages name it."""
     p = Path(path)
     if p.is_dir():
         found = list_checkpoints(p)
         if not found:
-            raise UserError(f"--resume {path}: the folder holds no checkpoint (ckpt_<step>.pt); "
+            raise UserError(f"{flag} {path}: the folder holds no checkpoint (ckpt_<step>.pt); "
                             f"runs write them when started with --checkpoint_every N")
         return found[-1]
     if not p.exists():
-        raise UserError(f"--resume {path}: no such file; pass a ckpt_<step>.pt file or the run folder "
+        raise UserError(f"{flag} {path}: no such file; pass a ckpt_<step>.pt file or the run folder "
                         f"under --log_dir that holds it")
     return p
 
 
-def load_checkpoint(path: str, mmap: bool = False, verify: bool = True) -> dict:
+def load_checkpoint(path: str, mmap: bool = False, verify: bool = True, flag: str = "--resume") -> dict:
     """The state saved by save_checkpoint, on the CPU, its bytes checked unless `verify` is False (the caller checked
-    this file already); mmap=True reads tensors lazily (no copies when only the config is needed).
+    this file already); mmap=True reads tensors lazily (no copies when only the config is needed). Errors name
+    `flag`, the option the user passed `path` with.
 
     Always the CPU: the model's and the optimizer's load_state_dict copy into buffers already on the device, and
     the RNG states must stay CPU byte tensors (mapped to a GPU, torch.set_rng_state refused them and a resume
     crashed after its warm-up). Mapping the file to the device would also hold a second copy of the weights and
     moments there while they are copied."""
-    p = resolve(path)
+    p = resolve(path, flag)
     try:
         # torch.save stores a CRC-32 of every record, but torch.load does not check them: a flipped bit inside a
         # tensor would load as a silently different weight. The check reads the file once more: 0.6 s per GiB
@@ -90,11 +92,12 @@ def load_checkpoint(path: str, mmap: bool = False, verify: bool = True) -> dict:
         state = torch.load(p, map_location="cpu", weights_only=False, mmap=mmap)
     # damaged bytes surface as whichever error the zip reader or the unpickler meets first
     except (RuntimeError, EOFError, KeyError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
-        raise UserError(f"--resume {p}: the checkpoint is truncated or corrupt ({type(e).__name__}); "
-                        f"resume from an earlier ckpt_<step>.pt in {p.parent}") from None
+        earlier = f"an earlier ckpt_<step>.pt in {p.parent}"
+        fix = f"resume from {earlier}" if flag == "--resume" else f"pass {earlier} to {flag}"
+        raise UserError(f"{flag} {p}: the checkpoint is truncated or corrupt ({type(e).__name__}); {fix}") from None
     missing = {"model", "optimizer", "loader", "step", "config"} - set(state)
     if missing:
-        raise UserError(f"--resume {p}: not a training checkpoint (missing {sorted(missing)})")
+        raise UserError(f"{flag} {p}: not a training checkpoint (missing {sorted(missing)})")
     return state
 
 
@@ -128,17 +131,17 @@ def config_diff(saved: dict, current: dict, ignore: set[str], path: str) -> list
     return [f"{n}: {saved[n]!r} -> {current[n]!r}" for n in sorted(set(current) - ignore) if saved[n] != current[n]]
 
 
-def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
+def load_model(path: str, device: torch.device, flag: str = "--checkpoint") -> tuple[GPT, dict]:
     """The trained GPT from a checkpoint (eval mode, kernels chosen for `device`) and the training config it
-    was trained with, for sampling and evaluation."""
-    state = load_checkpoint(path, mmap=True)  # lazily: only the weights are read
+    was trained with, for sampling and evaluation; errors name `flag`, the option the user passed `path` with."""
+    state = load_checkpoint(path, mmap=True, flag=flag)  # lazily: only the weights are read
     try:
         model = GPT(GPTConfig(**state["model_config"])).to(device)
         model.load_state_dict(state["model"])
     except (TypeError, RuntimeError) as e:  # unknown config fields; missing, extra or reshaped weights
         first = str(e).strip().splitlines()[0]
-        raise UserError(f"{path}: the checkpoint's model does not fit this version of the code ({first}); it was "
-                        f"written by another gpt-speedrun version: {OTHER_VERSION_FIX} to sample or evaluate "
+        raise UserError(f"{flag} {path}: the checkpoint's model does not fit this version of the code ({first}); it "
+                        f"was written by another gpt-speedrun version: {OTHER_VERSION_FIX} to sample or evaluate "
                         f"it") from None
     use_device_paths(model, device)
     return model.eval(), state["config"]

@@ -20,6 +20,7 @@ from evals import hellaswag
 from helpers import random_gpt, recorded_compile
 from model.gpt import GPT, GPTConfig
 from runtime.dist import Runtime, use_device_paths
+from runtime.errors import UserError
 
 TINY_FILE = Path(__file__).parent / "data" / "hellaswag_tiny.jsonl"
 # real GPT-2 token ids need the full (padded) vocabulary; the rest is as small as the model allows
@@ -233,3 +234,49 @@ def test_download_is_checked_before_it_is_kept(cache, monkeypatch):
     monkeypatch.setattr(hellaswag, "NUM_VAL_EXAMPLES", 5)  # a file of the expected size is kept and used
     assert hellaswag.select_examples(None, 3) == tiny_examples()[:3]
     assert cache.read_bytes() == payload
+
+
+def test_check_available_finds_what_the_evaluation_would_miss(cache, monkeypatch, tmp_path):
+    """The start-up check raises the evaluation's own messages, and nothing when the evaluation could get its file;
+    it never downloads (the fixture fails any attempt)."""
+    hellaswag.check_available(str(TINY_FILE))
+    hellaswag.check_available(None)  # no cache, but a download is allowed
+    with pytest.raises(ValueError, match=f"--hellaswag_file {tmp_path}: no such file"):
+        hellaswag.check_available(str(tmp_path))  # a folder is not the file
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="is missing and HF_HUB_OFFLINE=1 forbids downloading it"):
+        hellaswag.check_available(None)
+    cache.parent.mkdir()
+    cache.write_bytes(TINY_FILE.read_bytes())
+    hellaswag.check_available(None)  # offline, but cached
+
+
+@pytest.mark.parametrize("case", ["missing --hellaswag_file", "offline without the cached file"])
+def test_training_refuses_a_missing_hellaswag_file_before_it_trains(cache, monkeypatch, tmp_path, capsys, case):
+    """train_gpt2 --hellaswag=1 scores after training: a missing file must stop the run at start-up, not after the
+    training (which, without --checkpoint_every, would be lost)."""
+    import train_gpt2  # here: the other tests need no training script
+
+    flags = ["--preset=smoke", "--device=cpu", "--num_iterations=2", "--hellaswag=1", f"--log_dir={tmp_path / 'logs'}"]
+    if case == "missing --hellaswag_file":
+        flags.append(f"--hellaswag_file={tmp_path / 'absent.jsonl'}")
+        words = f"--hellaswag_file {tmp_path / 'absent.jsonl'}: no such file"
+    else:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        words = f"the HellaSwag validation file {cache} is missing and HF_HUB_OFFLINE=1 forbids downloading it"
+    with pytest.raises(ValueError) as e:
+        train_gpt2.main(flags)
+    assert words in str(e.value)
+    assert "step:" not in capsys.readouterr().out and not (tmp_path / "logs").exists()  # nothing ran, nothing written
+
+
+@pytest.mark.parametrize("case", ["missing", "empty folder"])
+def test_cli_checks_the_checkpoint_before_the_data(cache, monkeypatch, tmp_path, case):
+    """Offline and without the data file, a wrong --checkpoint is still the error reported: the user typed it."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = tmp_path / "run"
+    if case == "empty folder":
+        path.mkdir()
+    with pytest.raises(UserError) as e:
+        hellaswag.main(["--checkpoint", str(path), "--device", "cpu"])
+    assert str(e.value).startswith(f"--checkpoint {path}: ") and "--resume" not in str(e.value)

@@ -166,7 +166,7 @@ EARLY = [
     ("13 wrong flag type", ["--num_iterations=abc"], ["--num_iterations expects an integer, got 'abc'", "--help"]),
     ("14 --device cuda without a GPU", ["--device=cuda"], ["no CUDA GPU is visible", "--device cpu"]),
     ("16 --resume of a missing file", ["--resume={root}/missing.pt"],
-     ["missing.pt: no such file", "pass a ckpt_<step>.pt file or the run folder"]),
+     ["error: --resume ", "missing.pt: no such file", "pass a ckpt_<step>.pt file or the run folder"]),
     ("20 --log_dir below a regular file", ["--log_dir={root}/a_file/logs"],
      ["a_file/logs is not writable (Not a directory)", "pass a folder you can write to"]),
     ("25 token id beyond the vocabulary", ["--train_files={bad}/vocab.bin"],

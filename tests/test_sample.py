@@ -153,5 +153,26 @@ def test_checkpoint_of_another_model_version_is_a_user_error(checkpoint, tmp_pat
         state["model_config"]["rotary_kind"] = "yarn"
     path = tmp_path / "ckpt_000002.pt"
     torch.save(state, path)
-    with pytest.raises(UserError, match="does not fit this version of the code .* check out the git_commit"):
+    with pytest.raises(UserError, match="^--checkpoint .*: the checkpoint's model does not fit this version of the "
+                       "code .* check out the git_commit"):
         load_model(str(path), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("case, words", [
+    ("missing", "no such file; pass a ckpt_<step>.pt file or the run folder under --log_dir"),
+    ("empty folder", "the folder holds no checkpoint (ckpt_<step>.pt); runs write them when started with "
+                     "--checkpoint_every N"),
+    ("corrupt", "the checkpoint is truncated or corrupt (BadZipFile); pass an earlier ckpt_<step>.pt in"),
+])
+def test_a_bad_checkpoint_names_the_checkpoint_flag(tmp_path, case, words):
+    """The messages come from runtime/checkpoint.py, shared with train_gpt2's --resume: here they name the flag
+    that sample.py's user typed."""
+    path = tmp_path / "run"
+    if case != "missing":
+        path.mkdir()
+    if case == "corrupt":
+        path = path / "ckpt_000002.pt"
+        path.write_bytes(b"not a zip archive")
+    with pytest.raises(UserError) as e:
+        sample.main(["--checkpoint", str(path), "--device", "cpu"])
+    assert str(e.value).startswith(f"--checkpoint {path}: {words}") and "--resume" not in str(e.value)
