@@ -169,6 +169,9 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
             raise ValueError(f"--{name}={getattr(cfg, name)} must be 0 or more")
     if cfg.log_every <= 0:
         raise ValueError(f"--log_every={cfg.log_every} must be positive")
+    if not 0 <= cfg.profile_step <= cfg.num_iterations:  # else no step would be traced, and nothing would say so
+        raise ValueError(f"--profile_step={cfg.profile_step} must name a step from 1 to --num_iterations="
+                         f"{cfg.num_iterations}, or be 0 for none")
     if cfg.vocab_size < VOCAB_SIZE:
         raise ValueError(f"--vocab_size={cfg.vocab_size} is smaller than the shards' GPT-2 vocabulary of "
                          f"{VOCAB_SIZE} ids; keep the default --vocab_size={TrainConfig.vocab_size}")

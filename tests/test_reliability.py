@@ -313,6 +313,8 @@ def test_25_bad_id_in_the_validation_shard(corpus):
     ("val_context", 49152, "--val_context=49152 must be from 0 to --seq_len - 1 = 49151, or -1 for the model's "
      "receptive field"),
     ("val_context", -2, "--val_context=-2 must be from 0"),
+    ("profile_step", 1751, "--profile_step=1751 must name a step from 1 to --num_iterations=1750, or be 0 for none"),
+    ("profile_step", -1, "--profile_step=-1 must name a step from 1"),
 ])
 def test_impossible_values_are_refused(flag, value, words):
     cfg = train_gpt2.TrainConfig(**{flag: value})
