@@ -198,13 +198,19 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
                    tokens_per_step=cfg.batch_size * cfg.seq_len, val_context=val_context)
 
 
-def check_resume(cfg: TrainConfig) -> None:
-    """Refuse a missing, damaged or incompatible --resume now, not after minutes of compile warm-up."""
+def check_resume(cfg: TrainConfig, argv: list[str]) -> None:
+    """Refuse a missing, damaged or incompatible --resume now, not after minutes of compile warm-up; `argv`, the
+    flags cfg came from, tells the advice which preset the checkpoint needs."""
     saved = checkpoint.load_checkpoint(cfg.resume, mmap=True)["config"]  # mmap: only the config is read
     differs = checkpoint.config_diff(saved, dataclasses.asdict(cfg), RESUME_MAY_CHANGE, cfg.resume)
     if differs:
+        # a run resumed without the --preset it was started with differs in all of that preset's fields: name it
+        preset = next((name for name in PRESETS if name != cfg.preset and not checkpoint.config_diff(
+            saved, dataclasses.asdict(parse_config(TrainConfig, [*argv, f"--preset={name}"], PRESETS)),
+            RESUME_MAY_CHANGE, cfg.resume)), None)
+        fix = f"add --preset={preset}, the preset it was started with" if preset else "pass the same values"
         raise UserError(f"--resume {cfg.resume}: the checkpoint was trained with a different config, which "
-                        f"would change the math: {'; '.join(differs)}. Pass the same values to resume")
+                        f"would change the math: {'; '.join(differs)}. To resume, {fix}")
 
 
 def layer_list(flag: str, value: str, num_layers: int, fallback: str = "''") -> tuple[int, ...]:
@@ -265,10 +271,11 @@ def fineweb_shards(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     # ----------------------------------------------------------------------------------------------
     # 1. config
-    cfg = parse_config(TrainConfig, sys.argv[1:] if argv is None else argv, PRESETS)
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = parse_config(TrainConfig, argv, PRESETS)
     rt = dist.setup(cfg.device)
     try:
-        return train(cfg, rt)
+        return train(cfg, rt, argv)
     except torch.OutOfMemoryError:  # anywhere, not only in the loop: the compile warm-up runs the first steps
         raise UserError(f"CUDA out of memory at --device_batch_size={cfg.device_batch_size} --seq_len="
                         f"{cfg.seq_len}: {oom_advice(cfg)}") from None
@@ -276,11 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         dist.teardown()
 
 
-def train(cfg: TrainConfig, rt: dist.Runtime) -> int:
+def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
+    """The run of `cfg`, parsed from the flags `argv`."""
     derived = derive(cfg, rt.world_size)
     device, cuda = rt.device, rt.device.type == "cuda"
     if cfg.resume:
-        check_resume(cfg)
+        check_resume(cfg, argv)
     if cfg.hellaswag:  # its data file now, not after the training that a missing file would waste
         from evals.hellaswag import check_available
         check_available(cfg.hellaswag_file or None)

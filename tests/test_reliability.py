@@ -442,10 +442,20 @@ def test_18_resume_with_a_config_that_changes_the_math(base_run, corpus, tmp_pat
     before = snapshot(base_run)
     result = run(train_cmd(corpus, tmp_path / "logs", *BASE, f"--resume={base_run}", "--lr_hidden=0.1",
                            "--seq_len=256"))
-    assert_user_error(result, 2, "would change the math: lr_hidden: 0.05 -> 0.1; seq_len: 128 -> 256. Pass the "
-                                 "same values to resume")
+    assert_user_error(result, 2, "would change the math: lr_hidden: 0.05 -> 0.1; seq_len: 128 -> 256. To resume, "
+                                 "pass the same values")
     assert not (tmp_path / "logs").exists()
     assert snapshot(base_run) == before
+
+
+def test_18c_resume_without_the_preset_names_it(base_run, corpus, tmp_path):
+    """The same flags without --preset=smoke differ in every smoke field that they leave alone: the message names
+    the preset (one flag), where it listed a dozen values; a flag that is no preset's value gets no such advice."""
+    flags = [f for f in train_args(corpus, tmp_path, *BASE, f"--resume={base_run}") if f != "--preset=smoke"]
+    for argv, fix in ((flags, "add --preset=smoke, the preset it was started with"),
+                      ([*flags, "--model_dim=96"], "pass the same values")):
+        with pytest.raises(UserError, match=rf"model_dim: 64 -> (768|96).*To resume, {fix}$"):
+            train_gpt2.check_resume(train_gpt2.parse_config(train_gpt2.TrainConfig, argv, train_gpt2.PRESETS), argv)
 
 
 def test_18b_resume_of_a_checkpoint_from_another_version(base_run, corpus, tmp_path):
