@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--{name}={getattr(args, name)} must be at least {low}")
 
     device = choose_device(args.device, local_rank=0)
-    model, train_config = load_model(args.checkpoint, device, flag="--checkpoint")
+    model, train_config = load_model(args.checkpoint, device)
     enc = get_encoding()
     prompt = [BOS_ID] + enc.encode_ordinary(args.prompt)
     generator = torch.Generator(device).manual_seed(args.seed)

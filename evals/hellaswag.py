@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     rt = dist.setup(args.device)
     try:
         # the checkpoint first: the argument the user typed, where the data file may be the default download
-        model, _ = load_model(args.checkpoint, rt.device, flag="--checkpoint")
+        model, _ = load_model(args.checkpoint, rt.device)
         correct, total = count_correct(model, rt, select_examples(args.hellaswag_file, args.limit or None))
         if rt.is_master:
             print(f"hellaswag accuracy: {correct / total:.4f} ({correct}/{total})")

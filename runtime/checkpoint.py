@@ -131,9 +131,10 @@ def config_diff(saved: dict, current: dict, ignore: set[str], path: str) -> list
     return [f"{n}: {saved[n]!r} -> {current[n]!r}" for n in sorted(set(current) - ignore) if saved[n] != current[n]]
 
 
-def load_model(path: str, device: torch.device, flag: str = "--checkpoint") -> tuple[GPT, dict]:
+def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
     """The trained GPT from a checkpoint (eval mode, kernels chosen for `device`) and the training config it
-    was trained with, for sampling and evaluation; errors name `flag`, the option the user passed `path` with."""
+    was trained with, for sampling and evaluation; both take it as --checkpoint, which the errors name."""
+    flag = "--checkpoint"
     state = load_checkpoint(path, mmap=True, flag=flag)  # lazily: only the weights are read
     try:
         model = GPT(GPTConfig(**state["model_config"])).to(device)
