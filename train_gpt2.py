@@ -159,6 +159,10 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
         else:  # no device batch fits: the sequences do not split evenly over the processes
             step = device_batch * world_size
             fix = f"try --batch_size={max(cfg.batch_size // step, 1) * step}"
+            if cfg.batch_size > 0 and cfg.batch_size % device_batch == 0:  # or fewer processes, the same run
+                fewer = max(p for p in range(1, world_size) if cfg.batch_size // device_batch % p == 0)
+                fix += (f", or keep --batch_size={cfg.batch_size} on {fewer} process{'es' * (fewer > 1)} "
+                        f"(NPROC={fewer} bash run.sh, or torchrun --nproc_per_node={fewer})")
         raise ValueError(f"--batch_size={cfg.batch_size} must be a positive multiple of --device_batch_size="
                          f"{cfg.device_batch_size} x {world_size} processes = {per_micro_step}; {fix}")
     if cfg.seq_len <= 0 or cfg.seq_len % BLOCK_SIZE:

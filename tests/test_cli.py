@@ -80,7 +80,9 @@ def test_grad_accum_must_divide():
     (24, 5, 1, "try --device_batch_size=4 "),  # the largest divisor of 24 up to the 5 asked for
     (8, 0, 1, "try --device_batch_size=1 "),
     (3, 2, 2, "try --batch_size=4"),  # no device batch splits 3 sequences over 2 processes
-    (2, 2, 8, "try --batch_size=16"),  # fewer sequences than processes
+    (2, 2, 8, "try --batch_size=16, or keep --batch_size=2 on 1 process (NPROC=1 bash run.sh, or torchrun "
+              "--nproc_per_node=1)"),  # fewer sequences than processes
+    (3, 1, 8, "try --batch_size=8, or keep --batch_size=3 on 3 processes (NPROC=3 "),  # --preset short on 8 GPUs
 ])
 def test_batch_size_errors_name_a_fix_that_works(batch, device_batch, world, fix):
     with pytest.raises(ValueError, match=re.escape(fix)) as error:
@@ -88,6 +90,10 @@ def test_batch_size_errors_name_a_fix_that_works(batch, device_batch, world, fix
     flag, value = re.search(r"--(\w+)=(\d+)", str(error.value).split(";")[1]).groups()
     fixed = {"batch_size": batch, "device_batch_size": device_batch, flag: int(value)}
     assert derive(TrainConfig(**fixed), world_size=world).grad_accum >= 1  # the suggestion alone is enough
+    fewer = re.search(r"on (\d+) process", str(error.value))
+    if fewer:  # so is the other: the same batch on fewer processes
+        assert derive(TrainConfig(batch_size=batch, device_batch_size=device_batch),
+                      world_size=int(fewer.group(1))).grad_accum >= 1
 
 
 def test_seq_len_must_be_a_multiple_of_the_block():
