@@ -77,7 +77,7 @@ class TrainConfig:
     lr_scalar: float = 0.04  # Adam learning rate for the mixing scalars (record #28)
     momentum_start: float = 0.85  # Muon momentum at step 0, warmed up linearly (the records' 0.85 -> 0.95)
     momentum_end: float = 0.95  # Muon momentum after the warm-up (Muon's default)
-    momentum_warmup_steps: int = 300  # steps of the Muon momentum warm-up (the records' 300)
+    momentum_warmup_steps: int = 300  # steps of the Muon momentum warm-up (the records' 300); -1 = every step
     window_min_tokens: int = 128  # attention window at step 0 (one block), grown linearly during training
     window_max_tokens: int = 1792  # attention window at the last step (record #28's long window)
     # auto is record #28's pattern; with layer 7 without attention, 3 layers attend over the long window
@@ -113,8 +113,8 @@ PRESETS: dict[str, dict] = {
     # The one-GPU time-to-loss run of bench/results (issue 7): record #28's model, 550 steps of 3 sequences (81M
     # tokens), with the learning-rate cooldown over 90% of the steps and the momentum warm-up over all of them. At
     # 550 steps these two beat the record's 45% and 300 steps, each alone and together (val 1.021-1.023 against
-    # 1.037 on the proxy corpus, bench/results/README.md). The warm-up stays 550 if --num_iterations changes.
-    "short": dict(batch_size=3, num_iterations=550, cooldown_frac=0.9, momentum_warmup_steps=550, val_loss_every=0),
+    # 1.037 on the proxy corpus, bench/results/README.md).
+    "short": dict(batch_size=3, num_iterations=550, cooldown_frac=0.9, momentum_warmup_steps=-1, val_loss_every=0),
     # The larger shapes keep every block complete: record #28's layer-7 cut was found for 12 layers only.
     # GPT-2 medium shape (350M; 24 layers, 1024 wide, 16 heads of 64); target val 2.92 = llm.c's GPT-2 medium
     "d24": dict(no_attention_layers="", num_layers=24, model_dim=1024, num_heads=16, head_dim=64,
@@ -145,6 +145,7 @@ class Derived:
     grad_accum: int  # micro-steps per optimizer step on each rank
     tokens_per_step: int  # all ranks together
     val_context: int  # tokens each validation sequence repeats from the one before (data/loader.py, ValLoader)
+    momentum_warmup_steps: int  # steps of Muon's momentum warm-up, -1 resolved to --num_iterations
 
 
 def derive(cfg: TrainConfig, world_size: int) -> Derived:
@@ -171,7 +172,11 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
                          f"try --seq_len={fit}")
     # the schedules check their own flags (ValueErrors naming them); one call each fails before any work
     lr_multiplier(0, cfg.num_iterations, cfg.cooldown_frac, cfg.final_lr_frac)
-    muon_momentum(0, cfg.momentum_warmup_steps, cfg.momentum_start, cfg.momentum_end)
+    if cfg.momentum_warmup_steps < -1:
+        raise ValueError(f"--momentum_warmup_steps={cfg.momentum_warmup_steps} must be 0 or more (0 = no warm-up), "
+                         f"or -1 for all of the run's steps")
+    momentum_warmup = cfg.num_iterations if cfg.momentum_warmup_steps == -1 else cfg.momentum_warmup_steps
+    muon_momentum(0, momentum_warmup, cfg.momentum_start, cfg.momentum_end)
     attention_window(0, cfg.num_iterations, cfg.window_min_tokens, cfg.window_max_tokens, BLOCK_SIZE)
     for name in ("val_loss_every", "checkpoint_every", "warmup_steps"):
         if getattr(cfg, name) < 0:
@@ -204,7 +209,8 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
         receptive_blocks = -(-receptive_field(mcfg, cfg.window_max_tokens) // BLOCK_SIZE)
         val_context = min(receptive_blocks * BLOCK_SIZE, cfg.seq_len // 2)
     return Derived(model=mcfg, grad_accum=cfg.batch_size // per_micro_step,
-                   tokens_per_step=cfg.batch_size * cfg.seq_len, val_context=val_context)
+                   tokens_per_step=cfg.batch_size * cfg.seq_len, val_context=val_context,
+                   momentum_warmup_steps=momentum_warmup)
 
 
 def check_resume(cfg: TrainConfig, argv: list[str]) -> None:
@@ -383,7 +389,7 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
             (loss / derived.grad_accum).backward()
             loss_sum += loss.detach()
         optimizer.step(lr_multiplier(step, cfg.num_iterations, cfg.cooldown_frac, cfg.final_lr_frac),
-                       muon_momentum(step, cfg.momentum_warmup_steps, cfg.momentum_start, cfg.momentum_end))
+                       muon_momentum(step, derived.momentum_warmup_steps, cfg.momentum_start, cfg.momentum_end))
         optimizer.zero_grad(set_to_none=True)
         return loss_sum
 

@@ -96,6 +96,13 @@ def test_batch_size_errors_name_a_fix_that_works(batch, device_batch, world, fix
                       world_size=int(fewer.group(1))).grad_accum >= 1
 
 
+def test_momentum_warmup_of_every_step_follows_the_run_length():
+    assert derive(TrainConfig(num_iterations=700, momentum_warmup_steps=-1), 1).momentum_warmup_steps == 700
+    assert derive(TrainConfig(num_iterations=700), 1).momentum_warmup_steps == 300
+    with pytest.raises(ValueError, match=r"--momentum_warmup_steps=-2 must be 0 or more \(0 = no warm-up\), or -1 "):
+        derive(TrainConfig(momentum_warmup_steps=-2), 1)
+
+
 def test_seq_len_must_be_a_multiple_of_the_block():
     with pytest.raises(ValueError, match=r"--seq_len=1000 must be a multiple of the attention block size 128; "
                                          r"try --seq_len=896"):

@@ -59,6 +59,16 @@ def test_golden_first_losses(tmp_path, optimizer, golden):
     assert got == pytest.approx(golden, rel=1e-5), got
 
 
+def test_momentum_warmup_over_every_step_is_the_run_length(tmp_path):
+    """--momentum_warmup_steps=-1 (--preset short's) trains exactly as the run's own length written out."""
+    flags = [*TINY, "--num_iterations=5", "--val_loss_every=0"]
+    _, every = train(tmp_path / "every", *flags, "--momentum_warmup_steps=-1")
+    _, five = train(tmp_path / "five", *flags, "--momentum_warmup_steps=5")
+    _, none = train(tmp_path / "none", *flags, "--momentum_warmup_steps=0")
+    assert losses(every, "train_loss") == losses(five, "train_loss")
+    assert losses(every, "train_loss")[5] != losses(none, "train_loss")[5]  # the warm-up reaches the losses
+
+
 def test_two_processes_equal_one(tmp_path):
     """torchrun --nproc_per_node=2 on gloo sees the same token stream as one process with gradient
     accumulation 2, so validation losses agree; only the summation order differs (fp32): rel 1e-4."""
