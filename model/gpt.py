@@ -80,8 +80,8 @@ class GPTConfig:
         def unread(n: int) -> list[int]:  # value embeddings, of n, whose layers all lack attention: never read
             return [k for k in range(n) if value_embed_layers(k, n, self.num_layers) <= no_attention]
 
-        if unread(self.num_value_embeds):  # the optimizer refuses a table that never gets a gradient
-            k = unread(self.num_value_embeds)[0]
+        if never_read := unread(self.num_value_embeds):  # the optimizer refuses a table that never gets a gradient
+            k = never_read[0]
             layers = sorted(value_embed_layers(k, self.num_value_embeds, self.num_layers))
             fits = max(n for n in range(self.num_value_embeds) if not unread(n))
             raise ValueError(f"value embedding {k} feeds layers {layers}, which no_attention_layers="
