@@ -37,6 +37,10 @@ if [ "$gpus" -eq 0 ]; then
     exec python train_gpt2.py --preset smoke "$@"
 fi
 NPROC=${NPROC:-$gpus}
+if ! [[ $NPROC =~ ^[1-9][0-9]*$ ]] || [ "$NPROC" -gt "$gpus" ]; then
+    echo "error: NPROC=$NPROC: give the number of GPUs to train on, from 1 to this machine's $gpus" >&2
+    exit 2
+fi
 
 shopt -s nullglob
 train_shards=(data/fineweb10B/fineweb_train_*.bin)
@@ -46,10 +50,11 @@ case " $* " in
     # The user brings their own data or runs the smoke preset: FineWeb is not needed.
     *" --train_files"* | *" --preset=smoke "* | *" --preset smoke "*) ;;
     *)
-        if [ -z "${FINEWEB_SHARDS:-}" ]; then
-            # As many shards as these flags read (record #28: 9); a bad flag stops here with train_gpt2's message.
-            FINEWEB_SHARDS=$(python -c 'import sys, train_gpt2 as t, runtime.errors as e; print(e.exit_on_user_error(t.fineweb_shards, sys.argv[1:]))' "$@")
-        fi
+        # As many shards as these flags read on NPROC GPUs (record #28: 9), or FINEWEB_SHARDS; a bad flag or
+        # FINEWEB_SHARDS stops here with train_gpt2's message, before any download.
+        shards_code='import os, sys, train_gpt2 as t, runtime.errors as e
+print(e.exit_on_user_error(t.fineweb_shards, sys.argv[1:], os.environ["FINEWEB_SHARDS"], int(os.environ["NPROC"])))'
+        FINEWEB_SHARDS=$(FINEWEB_SHARDS=${FINEWEB_SHARDS:-} NPROC=$NPROC python -c "$shards_code" "$@")
         if [ "${#train_shards[@]}" -lt "$FINEWEB_SHARDS" ] || [ "${#val_shards[@]}" -eq 0 ]; then
             if ! python data/cached_fineweb10B.py "$FINEWEB_SHARDS"; then
                 if names_preset "$@"; then
@@ -66,4 +71,7 @@ case " $* " in
         ;;
 esac
 
+if [ "$NPROC" -eq 1 ]; then
+    exec python train_gpt2.py "$@"  # one process needs no launcher, and an error then stays one line
+fi
 exec torchrun --standalone --nproc_per_node="$NPROC" train_gpt2.py "$@"

@@ -9,6 +9,7 @@
 import copy
 import dataclasses
 import math
+import os
 import resource
 import sys
 import time
@@ -275,14 +276,23 @@ def oom_advice(cfg: TrainConfig) -> str:
     return "even one sequence of 128 tokens does not fit: use a smaller model (--num_layers, --model_dim)"
 
 
-def fineweb_shards(argv: list[str]) -> int:
-    """FineWeb train shards that a run with these flags reads, which run.sh fetches: its tokens with the alignment
-    margin, plus one shard, at most the dataset's 103. Record #28: 1,750 x 393,216 tokens = 688M -> 9 shards."""
+def fineweb_shards(argv: list[str], asked: str = "", world_size: int = 1) -> int:
+    """FineWeb train shards that run.sh fetches for a run with these flags on `world_size` processes: `asked`
+    (its FINEWEB_SHARDS) when given, else the run's tokens with the alignment margin, plus one shard, at most the
+    dataset's 103 (record #28: 1,750 x 393,216 tokens = 688M -> 9 shards). The flags are checked first, so that a
+    bad one stops run.sh before a download of gigabytes."""
     from data.cached_fineweb10B import TRAIN_SHARDS  # here: training runs need not import huggingface_hub
 
     cfg = parse_config(TrainConfig, argv, PRESETS)
+    derive(cfg, world_size)
     tokens = cfg.num_iterations * cfg.batch_size * cfg.seq_len * (1 + ALIGNMENT_MARGIN)
-    return min(math.ceil(tokens / FINEWEB_SHARD_TOKENS) + 1, TRAIN_SHARDS)
+    reads = min(math.ceil(tokens / FINEWEB_SHARD_TOKENS) + 1, TRAIN_SHARDS)
+    if not asked:
+        return reads
+    if not (asked.isascii() and asked.isdigit() and 1 <= int(asked) <= TRAIN_SHARDS):
+        raise UserError(f"FINEWEB_SHARDS={asked} must be a whole number of train shards from 1 to {TRAIN_SHARDS}; "
+                        f"leave it unset to fetch the {reads} this run reads")
+    return int(asked)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -334,6 +344,11 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
     val_loader = ValLoader(val_files, val_tokens=cfg.val_tokens, seq_len=cfg.seq_len,
                            device_batch_size=cfg.device_batch_size, rank=rt.rank, world_size=rt.world_size,
                            device=device, context=derived.val_context)
+    shared = sorted(set(map(os.path.realpath, train_loader.paths)) & set(map(os.path.realpath, val_loader.paths)))
+    if shared:
+        raise UserError(f"--train_files={cfg.train_files!r} and --val_files={cfg.val_files!r} share {len(shared)} "
+                        f"shard(s) ({shared[0]}): validation would score tokens the model trains on; point them at "
+                        f"different shards")
 
     # ----------------------------------------------------------------------------------------------
     # 3. run folder and log, made only once the config and the data are known to be good

@@ -44,7 +44,9 @@ def _folder_error(folder: str, pattern: str, flag: str) -> ValueError:
 def _shard_paths(pattern: str, flag: str) -> list[str]:
     paths = sorted(glob.glob(pattern))
     if not paths:
-        raise ValueError(f"no shard files match {flag}={pattern!r}: {DOWNLOAD_HINT}, or fix {flag}")
+        # run.sh starts in the repo folder, so a relative glob may be read from elsewhere than the user stands
+        where = "" if os.path.isabs(pattern) else f" (a relative glob, read from {os.getcwd()})"
+        raise ValueError(f"no shard files match {flag}={pattern!r}{where}: {DOWNLOAD_HINT}, or fix {flag}")
     folder = next((p for p in paths if os.path.isdir(p)), None)
     if folder is not None:
         raise _folder_error(folder, pattern, flag)
@@ -237,6 +239,7 @@ class ValLoader:
             if have == val_tokens + 1:
                 break
         self._stream = np.concatenate(pieces)
+        self.paths = paths[:len(pieces)]  # the shards validation reads
 
     def __len__(self) -> int:
         return self.num_steps

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.errors import UserError
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -186,8 +188,52 @@ def test_run_sh_stops_when_the_fetch_fails_for_a_named_preset(tmp_path):
 
 
 def test_run_sh_skips_the_fetch_when_shards_are_present_and_honours_nproc(tmp_path):
+    """One process runs without torchrun, whose traceback would bury a one-line error."""
     calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, env={"NPROC": "1"}, shards=9)
-    assert calls == ["python -c <shards> ", "torchrun --standalone --nproc_per_node=1 train_gpt2.py"]
+    assert calls == ["python -c <shards> ", "python train_gpt2.py"]
+
+
+@pytest.mark.parametrize("nproc", ["abc", "0", "-1", "3", "1.5"])
+def test_run_sh_stops_at_a_bad_nproc(tmp_path, nproc):
+    assert _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, env={"NPROC": nproc}, status=2) == []
+
+
+def test_run_sh_names_the_fix_for_a_bad_nproc(tmp_path):
+    work = tmp_path / "w"
+    work.mkdir()
+    fake = work / "nvidia-smi"
+    fake.write_text(NVIDIA_SMI_TWO_GPUS)
+    fake.chmod(0o755)
+    result = subprocess.run([shutil.which("bash"), str(ROOT / "run.sh")], capture_output=True, text=True,
+                            env={**os.environ, "PATH": f"{work}:{os.environ['PATH']}", "NPROC": "8"})
+    assert result.returncode == 2
+    assert result.stderr == "error: NPROC=8: give the number of GPUs to train on, from 1 to this machine's 2\n"
+
+
+@pytest.mark.parametrize("asked", ["abc", "0", "104", "-3", "²"])
+def test_run_sh_stops_at_a_bad_fineweb_shards_before_fetching(tmp_path, asked):
+    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, env={"FINEWEB_SHARDS": asked}, status=2)
+    assert calls == ["python -c <shards> "]
+
+
+def test_fineweb_shards_checks_the_flags_and_what_was_asked():
+    """run.sh's one question: the flags on NPROC processes and FINEWEB_SHARDS are checked before any download."""
+    from train_gpt2 import fineweb_shards
+
+    assert fineweb_shards([], asked="12", world_size=2) == 12
+    with pytest.raises(UserError, match=r"^FINEWEB_SHARDS=abc must be a whole number of train shards from 1 to 103; "
+                                        r"leave it unset to fetch the 9 this run reads$"):
+        fineweb_shards([], asked="abc")
+    with pytest.raises(ValueError, match=r"--batch_size=3 must be a positive multiple .* x 2 processes .* "
+                                         r"keep --batch_size=3 on 1 process \(NPROC=1 bash run.sh"):
+        fineweb_shards(["--preset=short"], world_size=2)
+    with pytest.raises(ValueError, match=r"--seq_len=200 must be a multiple of the attention block size 128"):
+        fineweb_shards(["--seq_len=200"])
+
+
+def test_run_sh_stops_at_a_batch_that_does_not_split_before_fetching(tmp_path):
+    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--preset=short"], status=2)
+    assert calls == ["python -c <shards> --preset=short"]
 
 
 def test_fineweb_shards_counts_the_tokens_a_run_reads():
@@ -209,7 +255,7 @@ def test_run_sh_fetches_as_many_shards_as_the_run_reads(tmp_path):
 
 def test_run_sh_fetches_more_shards_when_asked(tmp_path):
     calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, env={"FINEWEB_SHARDS": "12"}, shards=9)
-    assert calls[0] == "python data/cached_fineweb10B.py 12"
+    assert calls[1] == "python data/cached_fineweb10B.py 12"
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
