@@ -47,13 +47,18 @@ def _kind(path: Path) -> str | None:
     return "jsonl" if name.endswith(JSONL_SUFFIXES) else None
 
 
-def input_files(inputs) -> list[Path]:
-    """The files to read, in a deterministic order: inputs as given, each directory's files sorted."""
+def input_files(inputs, ignored: list[Path] | None = None) -> list[Path]:
+    """The files to read, in a deterministic order: inputs as given, each directory's files sorted, each file once
+    (a file named twice, or inside a folder also given, would land in both splits). A directory's files of other
+    types are appended to `ignored`."""
     files = []
     for given in map(Path, inputs):
         if given.is_dir():
-            files += sorted(p for p in given.rglob("*") if p.is_file() and _kind(p)
-                            and not any(part.startswith(".") for part in p.relative_to(given).parts))
+            visible = sorted(p for p in given.rglob("*") if p.is_file()
+                             and not any(part.startswith(".") for part in p.relative_to(given).parts))
+            files += [p for p in visible if _kind(p)]
+            if ignored is not None:
+                ignored += [p for p in visible if not _kind(p)]
         elif given.is_file():
             if not _kind(given):
                 raise PrepareError(f"{given}: unsupported file type; data.prepare reads .txt, .md and .jsonl "
@@ -61,7 +66,15 @@ def input_files(inputs) -> list[Path]:
             files.append(given)
         else:
             raise PrepareError(f"input {given} does not exist: pass existing files or directories")
-    return files
+    once, seen = [], set()
+    for path in files:
+        if path.resolve() not in seen:
+            seen.add(path.resolve())
+            once.append(path)
+    if len(once) < len(files):
+        print(f"warning: {len(files) - len(once)} file(s) given more than once (by name, or inside a folder also "
+              f"given) are read once", file=sys.stderr)
+    return once
 
 
 def _read(path: Path) -> bytes:
@@ -79,10 +92,11 @@ def documents(files, skipped: list[Path]):
         raw = _read(path)
         if _kind(path) == "text":
             try:
-                text = raw.decode("utf-8")
+                text = raw.decode("utf-8-sig")  # a leading byte-order mark is no part of the text
             except UnicodeDecodeError as error:
+                source = "utf-16" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else "latin1"  # UTF-16 starts with a BOM
                 print(f"warning: skipping {path}: not UTF-8 text ({error.reason} at byte {error.start}); convert "
-                      f"it to include it, e.g. `iconv -f latin1 -t utf-8`", file=sys.stderr)
+                      f"it to include it, e.g. `iconv -f {source} -t utf-8`", file=sys.stderr)
                 skipped.append(path)
                 continue
             if text:
@@ -92,7 +106,7 @@ def documents(files, skipped: list[Path]):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line.decode("utf-8"))
+                record = json.loads(line.decode("utf-8-sig" if number == 1 else "utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as error:
                 raise PrepareError(f"{path}:{number}: not a UTF-8 JSON object ({error}); every non-empty line of a "
                                    "JSON Lines file must be one object with a \"text\" string") from None
@@ -168,20 +182,35 @@ def prepare(inputs, out, val_tokens: int = DEFAULT_VAL_TOKENS, shard_tokens: int
             name: str = "corpus", workers: int | None = None) -> dict:
     """Tokenize `inputs` into shards in `out` (see the module docstring); return a summary dict."""
     start = time.perf_counter()
-    workers = workers or os.cpu_count()
+    workers = os.cpu_count() if workers is None else workers
     if val_tokens < 1 or not 1 <= shard_tokens < 2**31 or workers < 1:
         raise PrepareError(f"--val_tokens={val_tokens}, --shard_tokens={shard_tokens} and --workers={workers} must "
                            "be positive (and --shard_tokens below 2**31)")
     if not name or "/" in name:
         raise PrepareError(f"--name={name!r} must be a plain file name prefix")
-    files = input_files(inputs)
+    ignored = []
+    files = input_files(inputs, ignored)
+    try:
+        get_encoding()  # missing or damaged vocabulary files fail here, before any output or worker exists
+    except OSError as error:
+        raise PrepareError(f"cannot read the GPT-2 tokenizer file {error.filename} ({error.strerror}): restore it "
+                           f"with `git checkout -- data/gpt2`") from None
+    except ValueError as error:  # a damaged file: the message names it and the fix
+        raise PrepareError(str(error)) from None
     out = Path(out)
     if out.is_dir() and any(out.glob(f"{name}_*.bin")):
         raise PrepareError(f"{out} already holds {name}_*.bin shards: remove them, or choose another --out or --name")
+    if out.exists() and not out.is_dir():
+        raise PrepareError(f"--out {out} is a file: give a folder (new or existing) for the shards")
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))  # shards appear in `out` only on success
-    get_encoding()  # fail on damaged vocabulary files before starting workers
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))  # shards appear in `out` only on success
+    except OSError as error:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise PrepareError(f"cannot write to --out {out} ({error.strerror}): choose a folder you can write "
+                           f"to") from None
     skipped, doc_count = [], 0
 
     def counted(docs):
@@ -218,7 +247,8 @@ def prepare(inputs, out, val_tokens: int = DEFAULT_VAL_TOKENS, shard_tokens: int
         raise
     staging.rmdir()
     seconds = time.perf_counter() - start
-    return {"files": len(files), "skipped_files": len(skipped), "documents": doc_count, "tokens": total,
+    return {"files": len(files), "skipped_files": len(skipped), "ignored_files": len(ignored),
+            "documents": doc_count, "tokens": total,
             "val_tokens": writer.sizes[0], "train_tokens": total - writer.sizes[0], "shards": shards,
             "seconds": seconds, "tokens_per_second": total / seconds}
 
@@ -265,9 +295,11 @@ def main(argv=None) -> None:
     except PrepareError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    ignored = (f"; {summary['ignored_files']} of other types ignored, data.prepare reads .txt, .md and .jsonl"
+               if summary["ignored_files"] else "")
     print(f"{summary['documents']:,} documents from {summary['files']} files ({summary['skipped_files']} skipped: "
-          f"not UTF-8): {summary['tokens']:,} tokens ({summary['val_tokens']:,} val, {summary['train_tokens']:,} "
-          f"train) in {len(summary['shards'])} shards in {args.out}; {summary['seconds']:.1f} s, "
+          f"not UTF-8{ignored}): {summary['tokens']:,} tokens ({summary['val_tokens']:,} val, "
+          f"{summary['train_tokens']:,} train) in {len(summary['shards'])} shards in {args.out}; {summary['seconds']:.1f} s, "
           f"{summary['tokens_per_second']:,.0f} tokens/s")
 
 

@@ -9,6 +9,7 @@ import pytest
 from data.loader import TrainLoader, ValLoader
 from data.prepare import PrepareError, ensure_sample_shards, main, prepare
 from data.shard import BOS_ID, read_header, read_shard
+from data import tokenizer
 from data.tokenizer import get_encoding
 
 
@@ -131,6 +132,74 @@ def test_too_small_for_any_val_tokens_says_add_text(tmp_path, capsys):
     assert "the corpus has 2 tokens" in err and "add text" in err and "lower --val_tokens" not in err
 
 
+@pytest.mark.parametrize("case,match", [
+    ("out_is_file", r"--out .*taken is a file: give a folder \(new or existing\) for the shards"),
+    ("out_below_file", r"cannot write to --out .*taken/out \(Not a directory\): choose a folder you can write to"),
+    ("workers_zero", r"--workers=0 must be positive"),
+    ("damaged_vocab", r"gpt2/vocab.bpe has sha256 .*: the file is damaged; restore it with "
+                      r"`git checkout -- data/gpt2`"),
+    ("missing_vocab", r"cannot read the GPT-2 tokenizer file .*gpt2/vocab.bpe \(No such file or directory\): restore "
+                      r"it with `git checkout -- data/gpt2`"),
+])
+def test_bad_options_exit_2_and_write_nothing(tmp_path, capsys, monkeypatch, case, match):
+    make_corpus(tmp_path / "in")
+    (tmp_path / "taken").write_text("a regular file")
+    out, workers = tmp_path / "new" / "out", "1"
+    if case == "out_is_file":
+        out = tmp_path / "taken"
+    elif case == "out_below_file":
+        out = tmp_path / "taken" / "out"
+    elif case == "workers_zero":
+        workers = "0"
+    else:  # a copy of the tokenizer files with vocab.bpe damaged or missing
+        copy = tmp_path / "gpt2"
+        copy.mkdir()
+        for name in tokenizer.GPT2_FILES:
+            (copy / name).write_bytes((tokenizer.GPT2_DIR / name).read_bytes() + b" " * (name == "vocab.bpe"))
+        if case == "missing_vocab":
+            (copy / "vocab.bpe").unlink()
+        monkeypatch.setattr(tokenizer, "GPT2_DIR", copy)
+        tokenizer.get_encoding.cache_clear()  # an earlier test's encoding would hide the files
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "in"), "--out", str(out), "--val_tokens", "40", "--workers", workers])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.splitlines()) == 1
+    assert re.search(match, err), err
+    assert not (tmp_path / "new").exists() and (tmp_path / "taken").read_text() == "a regular file"
+
+
+def test_a_file_named_twice_is_read_once(tmp_path, capsys):
+    """A file given by name and inside a folder also given would otherwise land in both the val and train shards."""
+    texts = make_corpus(tmp_path / "in")
+    summary = prepare([tmp_path / "in" / "a.txt", tmp_path / "in", tmp_path / "in" / "b" / ".." / "a.txt"],
+                      tmp_path / "out", val_tokens=40, workers=1)
+    assert summary["files"] == 5 and summary["documents"] == len(texts)
+    assert "warning: 2 file(s) given more than once (by name, or inside a folder also given) are read once" in \
+        capsys.readouterr().err
+
+
+def test_byte_order_marks_are_not_text(tmp_path):
+    """UTF-8 files that open with a byte-order mark (as some Windows editors write them) hold the same documents."""
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "bom").mkdir()
+    for folder, bom in (("plain", b""), ("bom", b"\xef\xbb\xbf")):
+        (tmp_path / folder / "a.txt").write_bytes(bom + "some text, enough of it. ".encode() * 20)
+        (tmp_path / folder / "b.jsonl").write_bytes(bom + b'{"text": "a json line"}\n{"text": "another one"}\n')
+    plain = prepare([tmp_path / "plain"], tmp_path / "out_plain", val_tokens=10, workers=1)
+    bom = prepare([tmp_path / "bom"], tmp_path / "out_bom", val_tokens=10, workers=1)
+    assert bom["documents"] == plain["documents"] == 3
+    np.testing.assert_array_equal(read_all(bom["shards"]), read_all(plain["shards"]))
+
+
+def test_utf16_text_gets_the_utf16_advice(tmp_path, capsys):
+    texts = make_corpus(tmp_path / "in")
+    (tmp_path / "in" / "wide.txt").write_bytes("wide text".encode("utf-16"))
+    summary = prepare([tmp_path / "in"], tmp_path / "out", val_tokens=40, workers=1)
+    assert summary["skipped_files"] == 1 and summary["documents"] == len(texts)
+    assert "wide.txt: not UTF-8 text" in (err := capsys.readouterr().err) and "`iconv -f utf-16 -t utf-8`" in err
+
+
 def test_existing_shards_are_not_mixed_with_new_ones(tmp_path):
     make_corpus(tmp_path / "in")
     prepare([tmp_path / "in"], tmp_path / "out", val_tokens=40, workers=1)
@@ -143,7 +212,8 @@ def test_cli_summary_line(tmp_path, capsys):
     main([str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--val_tokens", "40", "--workers", "1",
           "--name", "mine"])
     out = capsys.readouterr().out
-    assert out.startswith("8 documents from 5 files (0 skipped") and "tokens/s" in out
+    assert out.startswith("8 documents from 5 files (0 skipped: not UTF-8; 1 of other types ignored, data.prepare "
+                          "reads .txt, .md and .jsonl): ") and "tokens/s" in out
     assert (tmp_path / "out" / "mine_val_000000.bin").exists()
 
 
