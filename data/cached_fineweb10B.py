@@ -44,10 +44,16 @@ def download(n_train: int, out_dir=DEFAULT_DIR, endpoint: str | None = None) -> 
     if not 1 <= n_train <= TRAIN_SHARDS:
         raise ValueError(f"N={n_train}: the dataset has train shards 1 to {TRAIN_SHARDS}")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise DownloadError(f"cannot make the folder {out_dir} ({error.strerror}): give --out a folder you can "
+                            f"write to") from None
     paths = [out_dir / name for name in shard_names(n_train)]
     missing = []
     for path in paths:
+        if path.is_dir():
+            raise DownloadError(f"{path} is a folder where a shard belongs: move it away and run again")
         if path.exists() and not is_complete(path):
             print(f"{path} is incomplete: fetching it again", file=sys.stderr)
             path.unlink()

@@ -257,12 +257,21 @@ def ensure_sample_shards(out_root=None) -> tuple[str, str]:
     """Tokenize the shipped sample corpus (data/sample/*.jsonl.gz) once; return (train_glob, val_glob).
 
     The shards live in a folder named after the sample's hash, so an updated sample is re-tokenized, and the
-    folder appears by one atomic rename, so ranks that call this at the same time never see half of it.
+    folder appears by one atomic rename, so ranks that call this at the same time never see half of it. By default
+    that folder is data/sample/shards, or, in a checkout that cannot be written to (a read-only mount in a
+    container), gpt-speedrun-sample in the system's temporary folder.
     """
     sources = sorted(SAMPLE_DIR.glob("*.jsonl.gz"))
-    assert sources, f"the sample corpus is missing from {SAMPLE_DIR}"
+    if not sources:
+        raise PrepareError(f"the sample corpus (*.jsonl.gz) is missing from {SAMPLE_DIR}: restore it with "
+                           f"`git checkout -- data/sample`")
     digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sources)).hexdigest()[:16]
-    root = Path(out_root) if out_root is not None else SAMPLE_DIR / "shards"
+    if out_root is not None:
+        root = Path(out_root)
+    else:
+        root = SAMPLE_DIR / "shards"
+        if not (root / digest).is_dir() and not os.access(root if root.is_dir() else SAMPLE_DIR, os.W_OK):
+            root = Path(tempfile.gettempdir()) / "gpt-speedrun-sample"
     final = root / digest
     if not final.is_dir():
         root.mkdir(parents=True, exist_ok=True)
@@ -299,8 +308,8 @@ def main(argv=None) -> None:
                if summary["ignored_files"] else "")
     print(f"{summary['documents']:,} documents from {summary['files']} files ({summary['skipped_files']} skipped: "
           f"not UTF-8{ignored}): {summary['tokens']:,} tokens ({summary['val_tokens']:,} val, "
-          f"{summary['train_tokens']:,} train) in {len(summary['shards'])} shards in {args.out}; {summary['seconds']:.1f} s, "
-          f"{summary['tokens_per_second']:,.0f} tokens/s")
+          f"{summary['train_tokens']:,} train) in {len(summary['shards'])} shards in {args.out}; "
+          f"{summary['seconds']:.1f} s, {summary['tokens_per_second']:,.0f} tokens/s")
 
 
 if __name__ == "__main__":

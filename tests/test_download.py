@@ -66,3 +66,14 @@ def test_bad_n_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["0"])
     assert exit_info.value.code == 2 and "train shards 1 to 103" in capsys.readouterr().err
+
+
+def test_a_bad_out_folder_names_the_fix(tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(DownloadError, match=r"cannot make the folder .*a_file/shards \(Not a directory\): give --out "
+                                            r"a folder you can write to"):
+        download(1, tmp_path / "a_file" / "shards")
+    (tmp_path / "fineweb_val_000000.bin").mkdir()
+    with pytest.raises(DownloadError, match=r"fineweb_val_000000.bin is a folder where a shard belongs: move it away"):
+        download(1, tmp_path)
+    assert (tmp_path / "fineweb_val_000000.bin").is_dir()

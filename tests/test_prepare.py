@@ -1,4 +1,5 @@
 """data.prepare: shards equal BOS + GPT-2 tokens of each document in order; every bad input is a clean exit 2."""
+import glob
 import gzip
 import json
 import re
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 from data.loader import TrainLoader, ValLoader
-from data.prepare import PrepareError, ensure_sample_shards, main, prepare
+from data.prepare import SAMPLE_DIR, PrepareError, ensure_sample_shards, main, prepare
 from data.shard import BOS_ID, read_header, read_shard
 from data import tokenizer
 from data.tokenizer import get_encoding
@@ -233,3 +234,28 @@ def test_sample_shards_feed_the_loaders(tmp_path):
     val = ValLoader(val_glob, val_tokens=65_536, seq_len=1024, device_batch_size=4, rank=0, world_size=1,
                     device="cpu")
     assert sum(int((y != -100).sum()) for _, y in val) == 65_536
+
+
+def test_sample_shards_go_to_the_temporary_folder_in_a_read_only_checkout(tmp_path, monkeypatch):
+    """A checkout mounted read-only (a container) still runs the smoke preset: its shards go to the system's
+    temporary folder. (Root writes through permission bits, so the test stands in for the access check.)"""
+    import data.prepare
+
+    monkeypatch.setattr(data.prepare, "SAMPLE_DIR", tmp_path / "checkout")
+    (tmp_path / "checkout").mkdir()
+    for source in sorted(SAMPLE_DIR.glob("*.jsonl.gz")):
+        (tmp_path / "checkout" / source.name).write_bytes(source.read_bytes())
+    monkeypatch.setattr(data.prepare.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(data.prepare.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    train_glob, _ = ensure_sample_shards()
+    assert train_glob.startswith(str(tmp_path / "tmp" / "gpt-speedrun-sample")) and glob.glob(train_glob)
+    assert not (tmp_path / "checkout" / "shards").exists()
+
+
+def test_a_missing_sample_corpus_names_the_fix(tmp_path, monkeypatch):
+    import data.prepare
+
+    monkeypatch.setattr(data.prepare, "SAMPLE_DIR", tmp_path)
+    with pytest.raises(PrepareError, match=r"the sample corpus \(\*.jsonl.gz\) is missing from .*: restore it with "
+                                           r"`git checkout -- data/sample`"):
+        ensure_sample_shards()
