@@ -132,9 +132,11 @@ PRESETS: dict[str, dict] = {
 
 # Fields that never change the training math: a resumed run may differ in these and still be the same run.
 # compile and fp8_head change only rounding (kernels, precision of the same math), so a run can move between GPUs.
+# device_batch_size only regroups the same sequences into micro-steps (the loader's position is global), as a
+# different number of GPUs does: the advice for memory errors, a smaller device batch, must not block a resume.
 RESUME_MAY_CHANGE = {"resume", "log_dir", "checkpoint_every", "val_loss_every", "log_every", "compile", "fp8_head",
                      "warmup_steps", "device", "hellaswag", "hellaswag_file", "val_files", "val_tokens", "val_context",
-                     "preset"}
+                     "preset", "device_batch_size"}
 BLOCK_SIZE = 128  # FlexAttention's tile: packed sequences are cut into blocks of this many tokens
 # BOS alignment skips from each sequence's start to the next document start: a margin of 10% covers skips of up to
 # 4,900 tokens per 48K sequence (documents of the proxy corpus average 1,745 tokens: make_proxy_corpus.py's log)
@@ -336,11 +338,13 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
     train_loader = new_train_loader()
     have, need = sum(train_loader.counts), cfg.num_iterations * derived.tokens_per_step + 1
     if not cfg.cycle_data and have < need:  # need is a lower bound (BOS alignment skips tokens): sure to run out
+        # the skips depend on the documents' lengths, unknown before the run reads them
+        alignment = ", fewer with --align_to_bos=1, which skips to a document start per sequence" * cfg.align_to_bos
         raise UserError(f"the {len(train_loader.paths)} shard(s) matching --train_files={cfg.train_files!r} hold "
                         f"{have:,} tokens, but --num_iterations={cfg.num_iterations} x {derived.tokens_per_step:,} "
                         f"tokens/step needs at least {need:,}: add shards (FineWeb: `python data/cached_fineweb10B.py "
                         f"{math.ceil(need / FINEWEB_SHARD_TOKENS)}`), pass --cycle_data=1, or lower --num_iterations "
-                        f"(at most {(have - 1) // derived.tokens_per_step} fit)")
+                        f"(at most {(have - 1) // derived.tokens_per_step} fit{alignment})")
     val_loader = ValLoader(val_files, val_tokens=cfg.val_tokens, seq_len=cfg.seq_len,
                            device_batch_size=cfg.device_batch_size, rank=rt.rank, world_size=rt.world_size,
                            device=device, context=derived.val_context)
@@ -423,7 +427,7 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
     if cfg.warmup_steps:
         t0 = time.perf_counter()
         for step in range(cfg.warmup_steps):
-            train_step(step)
+            train_step(min(step, cfg.num_iterations))  # a run shorter than the warm-up repeats its last schedule
         with torch.no_grad():
             inputs, targets = next(iter(val_loader))
             model(inputs, targets, window_at(0), reduction="sum")  # compiles the validation graph too

@@ -4,6 +4,7 @@ Shape legend: B batch rows, T tokens, D model dim, H heads, d head dim, A = H * 
 P = d // 2 rotary pairs.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -60,12 +61,13 @@ class GPTConfig:
         if self.head_dim % 4:
             raise ValueError(f"GPTConfig.head_dim={self.head_dim} must be a multiple of 4 (half-truncated RoPE "
                              f"splits the rotary pairs in two halves); use e.g. 64 or 128")
-        if self.logit_softcap <= 0:
-            raise ValueError(f"GPTConfig.logit_softcap={self.logit_softcap} must be positive")
+        if not 0 < self.logit_softcap < math.inf:  # also false for nan
+            raise ValueError(f"GPTConfig.logit_softcap={self.logit_softcap} must be a positive finite number "
+                             f"(modded-nanogpt's is 15)")
         if not 0 <= 2 * self.num_value_embeds <= self.num_layers:
             raise ValueError(f"GPTConfig.num_value_embeds={self.num_value_embeds} must be between 0 and "
                              f"num_layers // 2 = {self.num_layers // 2}: each embedding feeds one of the first and "
-                             f"one of the last layers")
+                             f"one of the last layers; try num_value_embeds={self.num_layers // 2}")
         if not 0 <= self.bos_id < self.vocab_size:
             raise ValueError(f"GPTConfig.bos_id={self.bos_id} must be a token id below vocab_size={self.vocab_size}")
         if self.short_window_layers is not None and not all(0 <= i < self.num_layers for i in self.short_window_layers):
@@ -76,6 +78,9 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be layer indices below "
                                  f"num_layers={self.num_layers}")
         no_attention = set(self.no_attention_layers)
+        if len(no_attention) == self.num_layers:
+            raise ValueError(f"no_attention_layers={list(self.no_attention_layers)} names every layer: no token would "
+                             f"see an earlier one; keep attention in at least one layer")
 
         def unread(n: int) -> list[int]:  # value embeddings, of n, whose layers all lack attention: never read
             return [k for k in range(n) if value_embed_layers(k, n, self.num_layers) <= no_attention]

@@ -209,8 +209,12 @@ def test_user_errors():
         model(inputs, targets, torch.tensor(64))
     with torch.no_grad(), pytest.raises(ValueError, match="multiple of the attention block size"):
         model(inputs[:, :100], targets[:, :100], torch.tensor(64))
-    with pytest.raises(ValueError, match="num_value_embeds"):
+    with pytest.raises(ValueError, match=r"num_value_embeds=3 must be between 0 and num_layers // 2 = 2: .*; try "
+                                         r"num_value_embeds=2$"):
         GPTConfig(num_layers=4, num_value_embeds=3)
+    for cap in (0.0, -1.0, math.inf, math.nan):  # nan would pass a plain `<= 0` test and poison the loss
+        with pytest.raises(ValueError, match=r"logit_softcap=.* must be a positive finite number"):
+            GPTConfig(logit_softcap=cap)
 
 
 @pytest.mark.gpu
@@ -303,9 +307,14 @@ def test_partial_block_config_errors():
     with pytest.raises(ValueError, match="no_mlp_layers"):
         GPTConfig(num_layers=4, num_value_embeds=1, no_mlp_layers=(4,))
     # a value embedding read by no layer would never get a gradient; the advice keeps the ones that are read
-    with pytest.raises(ValueError, match=re.escape("value embedding 0 feeds layers [0, 1], which no_attention_layers="
-                                                   "[0, 1] leaves without attention") + ".*num_value_embeds=0$"):
-        GPTConfig(num_layers=2, num_value_embeds=1, no_attention_layers=(0, 1))
+    with pytest.raises(ValueError, match=re.escape("value embedding 0 feeds layers [0, 2], which no_attention_layers="
+                                                   "[0, 2] leaves without attention") + ".*num_value_embeds=0$"):
+        GPTConfig(num_layers=3, num_value_embeds=1, no_attention_layers=(0, 2))
+    # without any attention no token sees another, whatever else the config says
+    for value_embeds in (0, 1):
+        with pytest.raises(ValueError, match=re.escape("no_attention_layers=[1, 0] names every layer: no token would "
+                                                       "see an earlier one; keep attention in at least one layer")):
+            GPTConfig(num_layers=2, num_value_embeds=value_embeds, no_attention_layers=(1, 0))
     with pytest.raises(ValueError, match=r"value embedding 1 feeds layers \[1, 10\].*num_value_embeds=2$"):
         GPTConfig(no_attention_layers=(1, 10))
     GPTConfig(no_attention_layers=(1, 10), num_value_embeds=2)  # the advice: layers (0, 10) and (1, 11)

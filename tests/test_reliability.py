@@ -160,7 +160,8 @@ EARLY = [
       "lower --batch_size or --seq_len"]),
     ("08 all shards below --num_iterations", ["--num_iterations=2000"],
      ["hold 200,000 tokens, but --num_iterations=2000 x 128 tokens/step needs at least 256,001",
-      "python data/cached_fineweb10B.py 1", "--cycle_data=1", "(at most 1562 fit)"]),
+      "python data/cached_fineweb10B.py 1", "--cycle_data=1", "(at most 1562 fit, fewer with --align_to_bos=1, which skips to a document start per "
+      "sequence)"]),
     ("09 batch_size vs device_batch_size", ["--batch_size=3", "--device_batch_size=2"],
      ["--batch_size=3 must be a positive multiple of --device_batch_size=2 x 1 processes",
       "try --device_batch_size=1 "]),
