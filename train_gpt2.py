@@ -188,6 +188,9 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
             raise ValueError(f"--{name}={getattr(cfg, name)} must be 0 or more")
     if cfg.log_every <= 0:
         raise ValueError(f"--log_every={cfg.log_every} must be positive")
+    if cfg.hellaswag_file and not cfg.hellaswag:
+        raise ValueError(f"--hellaswag_file={cfg.hellaswag_file!r} is read only by the HellaSwag evaluation: add "
+                         f"--hellaswag=1, or drop --hellaswag_file")
     if not 0 <= cfg.profile_step <= cfg.num_iterations:  # else no step would be traced, and nothing would say so
         raise ValueError(f"--profile_step={cfg.profile_step} must name a step from 1 to --num_iterations="
                          f"{cfg.num_iterations}, or be 0 for none")

@@ -80,6 +80,9 @@ def load_checkpoint(path: str, mmap: bool = False, verify: bool = True, flag: st
     crashed after its warm-up). Mapping the file to the device would also hold a second copy of the weights and
     moments there while they are copied."""
     p = resolve(path, flag)
+    if not p.name.startswith("ckpt_") and not zipfile.is_zipfile(p):  # a cut-off ckpt_ file is damaged, below
+        raise UserError(f"{flag} {p}: not a checkpoint (a run writes them as ckpt_<step>.pt); pass one of those, or "
+                        f"the run folder that holds them")
     try:
         # torch.save stores a CRC-32 of every record, but torch.load does not check them: a flipped bit inside a
         # tensor would load as a silently different weight. The check reads the file once more: 0.6 s per GiB
