@@ -97,9 +97,11 @@ class TrainLoader:
         self.counts = [read_header(p) for p in self.paths]  # every header checked now, not hours into a run
         step_tokens = batch_size * seq_len + 1
         if self.counts[0] < step_tokens:
+            fix = ("remove the empty file, or make --train_files skip it" if self.counts[0] == 0 else
+                   "lower --batch_size or --seq_len, or use larger shards")
             raise ValueError(f"the first training shard {self.paths[0]} holds {self.counts[0]:,} tokens, fewer than "
                              f"one optimizer step needs (--batch_size={batch_size} x --seq_len={seq_len} + 1 = "
-                             f"{step_tokens:,}): lower --batch_size or --seq_len, or use larger shards")
+                             f"{step_tokens:,}): {fix}")
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
         self._loads: dict[int, Future] = {}
         self._shard, self._position, self._epoch = 0, 0, 0

@@ -156,6 +156,13 @@ def test_constructor_errors_name_the_fix(tmp_path):
         TrainLoader(pattern, seq_len=T, batch_size=B, device_batch_size=3, rank=0, world_size=1, device="cpu")
     with pytest.raises(ValueError, match=r"holds 300 tokens.*--batch_size=8 x --seq_len=64 \+ 1 = 513"):
         TrainLoader(pattern, seq_len=64, batch_size=B, device_batch_size=8, rank=0, world_size=1, device="cpu")
+    (tmp_path / "empty").mkdir()
+    write_shard(tmp_path / "empty" / "train_000000.bin", np.zeros(0, dtype=np.uint16))  # sorts before the others
+    write_shards(tmp_path / "empty")
+    with pytest.raises(ValueError, match=r"train_000000.bin holds 0 tokens.*: remove the empty file, or make "
+                                         r"--train_files skip it$"):
+        TrainLoader(str(tmp_path / "empty" / "train_*.bin"), seq_len=T, batch_size=B, device_batch_size=1, rank=0,
+                    world_size=1, device="cpu")
     (loader,) = loaders_for(pattern, 1, B)
     with pytest.raises(ValueError, match="--train_files the run started with"):
         loader.load_state_dict({"shard": 9, "position": 0, "epoch": 0})
