@@ -44,6 +44,11 @@ def _folder_error(folder: str, pattern: str, flag: str) -> ValueError:
 def _shard_paths(pattern: str, flag: str) -> list[str]:
     paths = sorted(glob.glob(pattern))
     if not paths:
+        # glob reads [ and ] as a character class; a folder named with them needs them escaped
+        escaped = os.path.join(glob.escape(os.path.dirname(pattern)), os.path.basename(pattern))
+        if escaped != pattern and glob.glob(escaped):
+            raise ValueError(f"no shard files match {flag}={pattern!r}, whose folder name holds [ or ], which a glob "
+                             f"reads as a set of characters: use {flag}={escaped!r}")
         # run.sh starts in the repo folder, so a relative glob may be read from elsewhere than the user stands
         where = "" if os.path.isabs(pattern) else f" (a relative glob, read from {os.getcwd()})"
         raise ValueError(f"no shard files match {flag}={pattern!r}{where}: {DOWNLOAD_HINT}, or fix {flag}")

@@ -156,6 +156,12 @@ def test_constructor_errors_name_the_fix(tmp_path):
         TrainLoader(pattern, seq_len=T, batch_size=B, device_batch_size=3, rank=0, world_size=1, device="cpu")
     with pytest.raises(ValueError, match=r"holds 300 tokens.*--batch_size=8 x --seq_len=64 \+ 1 = 513"):
         TrainLoader(pattern, seq_len=64, batch_size=B, device_batch_size=8, rank=0, world_size=1, device="cpu")
+    (tmp_path / "run[1]").mkdir()
+    write_shards(tmp_path / "run[1]")
+    with pytest.raises(ValueError, match=re.escape(f"use --train_files='{tmp_path}/run[[]1]/train_*.bin'")):
+        TrainLoader(str(tmp_path / "run[1]" / "train_*.bin"), seq_len=T, batch_size=B, device_batch_size=1, rank=0,
+                    world_size=1, device="cpu")
+    (loader,) = loaders_for(str(tmp_path / "run[[]1]" / "train_*.bin"), 1, B)  # the advice works
     (tmp_path / "empty").mkdir()
     write_shard(tmp_path / "empty" / "train_000000.bin", np.zeros(0, dtype=np.uint16))  # sorts before the others
     write_shards(tmp_path / "empty")
