@@ -90,7 +90,7 @@ class TrainConfig:
     resume: str = ""  # checkpoint file, or run folder, to continue from
     log_dir: str = "logs"  # each run writes log.txt, metrics.jsonl and checkpoints into a new folder here
     seed: int = 0  # seeds the initial weights
-    compile: bool = True  # torch.compile the transformer blocks and the loss (1/0)
+    compile: bool = True  # torch.compile the model's regions (GPT.compile_regions) and the optimizer's updates (1/0)
     # The first step compiles every training graph. With 3 warm-up steps, the timed steps of strictly cold runs on
     # the H200 compiled nothing (each as fast as after the records' 10), and the warm-up took 2.6 and 8.7 s less
     # (strictly cold) and 3.1 s less (warm caches) than with 10, in three same-machine pairs
@@ -139,7 +139,8 @@ RESUME_MAY_CHANGE = {"resume", "log_dir", "checkpoint_every", "val_loss_every", 
                      "preset", "device_batch_size"}
 BLOCK_SIZE = 128  # FlexAttention's tile: packed sequences are cut into blocks of this many tokens
 # BOS alignment skips from each sequence's start to the next document start: a margin of 10% covers skips of up to
-# 4,900 tokens per 48K sequence (documents of the proxy corpus average 1,745 tokens: make_proxy_corpus.py's log)
+# 4,900 tokens per 48K sequence (the proxy corpus's first 49,152 training tokens hold 28 documents, 1,755 tokens
+# each on average: bench/results/attention_1xH200.json)
 ALIGNMENT_MARGIN = 0.10
 DIVERGED_EXIT = 3  # exit status when the loss or the weights become inf/nan (2 is a user error)
 
@@ -414,7 +415,7 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
             loss_sum += loss.detach()
         optimizer.step(lr_multiplier(step, cfg.num_iterations, cfg.cooldown_frac, cfg.final_lr_frac),
                        muon_momentum(step, derived.momentum_warmup_steps, cfg.momentum_start, cfg.momentum_end))
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         return loss_sum
 
     @torch.no_grad()

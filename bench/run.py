@@ -57,7 +57,9 @@ def launch(nproc: int, train_args: list[str], log_dir: Path,
             if line.startswith("step:"):
                 last_step = time.perf_counter() - t0
         if proc.wait():
-            sys.exit(f"train_gpt2.py failed with status {proc.returncode}; see {console}")
+            errors = [line.strip() for line in open(console) if line.startswith("error: ")]
+            sys.exit(f"train_gpt2.py failed with status {proc.returncode}" + (f" ({errors[0]})" if errors else "") +
+                     f"; see {console}")
     return time.perf_counter() - t0, warm, last_step
 
 
@@ -119,8 +121,26 @@ def main():
     if args.mode == "throughput" and args.steps < MIN_STEPS:
         ap.error(f"--steps={args.steps} leaves fewer than {TIMED} timed steps after the first {SKIP}; "
                  f"use --steps={MIN_STEPS} or more")
+    # Everything a finished run needs is checked now, not after minutes of training.
+    if args.nproc < 1:
+        ap.error(f"--nproc={args.nproc}: give the number of GPUs to run on, 1 or more")
+    out = Path(args.out)
+    if out.is_dir():
+        ap.error(f"--out {out} is a folder: give a .json file")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)  # the console log goes beside it from the first line
+    except OSError as error:
+        ap.error(f"--out {out}: cannot make its folder ({error.strerror})")
+    if args.keep and Path(args.keep).exists() and not Path(args.keep).is_dir():
+        ap.error(f"--keep {args.keep} is a file: give a folder for the run folder's copy")
+    owned = ("--num_iterations", "--log_every", "--val_loss_every", "--window_min_tokens", "--window_max_tokens")
+    if args.mode == "throughput" and (taken := [a for a in args.train_args if a.split("=")[0] in owned]):
+        ap.error(f"throughput mode sets {', '.join(owned)} itself (--steps for the run's length); drop {taken[0]} "
+                 f"after --, or use the speedrun mode")
 
-    data = [f"--train_files={args.data}/fineweb_train_*.bin", f"--val_files={args.data}/fineweb_val_*.bin"]
+    # absolute: train_gpt2.py runs in the repository, wherever this was started
+    data_dir = Path(args.data).resolve()
+    data = [f"--train_files={data_dir}/fineweb_train_*.bin", f"--val_files={data_dir}/fineweb_val_*.bin"]
     if args.mode == "throughput":
         mode_args = ["--window_min_tokens=896", "--window_max_tokens=896", f"--num_iterations={args.steps}",
                      "--val_loss_every=0", f"--val_tokens={args.nproc * 48 * 1024}", "--log_every=1"]
@@ -165,8 +185,7 @@ def main():
                        "mfu": round(tokens_per_step / med * 1e3 * fpt / (PEAK_BF16_FLOPS * args.nproc), 4)})
     result["val_rows"] = [{"step": m["step"], "val_loss": m["val_loss"], "train_time_s": round(m["train_time_ms"] / 1e3, 2)}
                           for m in metrics if "val_loss" in m]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

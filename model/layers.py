@@ -1,8 +1,8 @@
 """Transformer pieces: parameter-free RMSNorm, half-truncated rotary embeddings, attention, ReLU² MLP, the U-net
 skip, the block. On CUDA four of them run Triton kernels through autograd.Functions (MixNorm, QKVPrep, ReLU2MLP,
-SkipAdd; ReLU2MLP's are Gluon kernels, Hopper only); elsewhere the torch ops beside each. Two more Functions only
-route gradients: FanOut (one tensor, many readers) and TableRows (embedding rows whose gradient goes straight into
-the table's).
+SkipAdd; ReLU2MLP's are Gluon kernels, Hopper only); elsewhere the torch ops beside each. Two more Functions route
+gradients: FanOut (one tensor, many readers) and TableRows (embedding rows whose gradient goes straight into the
+table's, on CUDA through the Triton kernel of model/embed_kernels.py).
 
 Weights are fp32 master copies, cast to the activation dtype where they are used (`.type_as(x)`), so the
 optimizer always updates fp32 while the matmuls run in bf16. Construction only declares shapes (`torch.empty`);

@@ -16,7 +16,7 @@ machine (bench/results/README.md):
 All arithmetic is fp32 (the value weights are read as the fp32 masters), with one rounding per stored value.
 The functions are torch.library.triton_ops, as in model/head_kernels.py: they run inside the compiled blocks,
 where inductor launches the kernels directly. Launch configurations are fixed (autotuning would lengthen the
-cold compile). As there, no @triton.jit helper takes a pointer: inductor would count it as written and copy it.
+cold compile). No @triton.jit helper here takes a pointer: inductor would count it as written and copy it.
 
 Shape legend: B batch rows, T tokens, H heads, d head dim, P = d // 2 rotary pairs; R = B T H rows of d.
 """

@@ -176,13 +176,11 @@ class MuonAdam:
             return updates
         return self._normalize(updates, bucket.second_moment, self._normuon_beta2)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self) -> None:
+        """Drop every gradient (torch.optim's default): the next backward writes new ones, no zero-fill first."""
         for group in self.param_groups:
             for p in group["params"]:
-                if set_to_none:
-                    p.grad = None
-                elif p.grad is not None:
-                    p.grad.zero_()
+                p.grad = None
 
     def state_dict(self) -> dict:
         """{"step": int, "groups": {name: per-parameter state lists in the model's parameter order}}.

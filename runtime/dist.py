@@ -12,8 +12,7 @@ from runtime.errors import UserError
 class Runtime:
     rank: int
     world_size: int
-    local_rank: int
-    device: torch.device
+    device: torch.device  # cuda:LOCAL_RANK under torchrun
 
     @property
     def is_master(self) -> bool:
@@ -68,7 +67,7 @@ def setup(device_flag: str) -> Runtime:
             dist.init_process_group("nccl", device_id=device)
         else:
             dist.init_process_group("gloo")
-    return Runtime(rank, world_size, local_rank, device)
+    return Runtime(rank, world_size, device)
 
 
 def teardown():

@@ -1,6 +1,6 @@
 """User errors: short messages that name the cause and the fix, never a bare traceback.
 
-`ValueError` is what the config, data and schedule checks raise for inputs a user got wrong (STYLE.md:
+`ValueError` is what the config, data and schedule checks raise for inputs a user got wrong (the project's rule:
 ValueError for users, assert for our own invariants); `UserError` is for the rest (missing files, devices).
 The entry points run through `exit_on_user_error`, which prints `error: <message>` and exits with status 2 (under
 torchrun, once per node, not once per process).

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from bench.gpu_monitor import QUERY, GpuMonitor, active_clock_reasons
 from bench.run import MIN_STEPS, per_step_ms, val_context
 
@@ -167,13 +169,27 @@ def test_active_clock_reasons_from_nvidia_smi_q(tmp_path, monkeypatch):
     assert active_clock_reasons() == "nvidia-smi not found"
 
 
-def test_throughput_refuses_too_few_steps(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "bench.run", "throughput", "--data", str(tmp_path), "--out",
-                           str(tmp_path / "out.json"), f"--steps={MIN_STEPS - 1}"],
+@pytest.mark.parametrize("args,message", [
+    ([f"--steps={MIN_STEPS - 1}"], f"use --steps={MIN_STEPS} or more"),
+    (["--nproc=0"], "--nproc=0: give the number of GPUs to run on, 1 or more"),
+    (["--out={tmp}"], "is a folder: give a .json file"),
+    (["--out={tmp}/a_file/out.json"], "a_file/out.json: cannot make its folder (File exists)"),
+    (["--keep={tmp}/a_file"], "a_file is a file: give a folder for the run folder's copy"),
+    (["--", "--num_iterations=8"], "throughput mode sets --num_iterations, --log_every, --val_loss_every, "
+                                   "--window_min_tokens, --window_max_tokens itself (--steps for the run's length); "
+                                   "drop --num_iterations=8 after --, or use the speedrun mode"),
+])
+def test_throughput_refuses_what_would_fail_after_the_run(tmp_path, args, message):
+    """Options that would only fail once the run is over (and its minutes lost) are refused at the start."""
+    (tmp_path / "a_file").write_text("a regular file")
+    args = [a.format(tmp=tmp_path) for a in args]
+    split = args.index("--") if "--" in args else len(args)
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "throughput", "--data", str(tmp_path),
+                           "--out", str(tmp_path / "out.json"), *args[:split], *args[split:]],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert f"use --steps={MIN_STEPS} or more" in proc.stderr
-    assert not (tmp_path / "out.json").exists()
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr, proc.stderr
+    assert not (tmp_path / "out.json").exists() and not list(tmp_path.glob("*.console.txt"))
 
 
 def test_speedrun_on_the_cpu_writes_its_rows_and_keeps_the_run_folder(tmp_path):
@@ -187,13 +203,16 @@ def test_speedrun_on_the_cpu_writes_its_rows_and_keeps_the_run_folder(tmp_path):
     for kind, pattern in (("train", train_glob), ("val", val_glob)):
         for i, shard in enumerate(sorted(glob.glob(pattern))):
             (data / f"fineweb_{kind}_{i:06d}.bin").symlink_to(shard)
-    out, keep = tmp_path / "run.json", tmp_path / "kept"
+    out, keep = tmp_path / "results" / "run.json", tmp_path / "kept"
     exe = fake_nvidia_smi(tmp_path / "bin")
-    proc = subprocess.run([sys.executable, "-m", "bench.run", "speedrun", "--data", str(data), "--out", str(out),
+    # started outside the repository with relative paths, as a user in their own folder would (train_gpt2.py
+    # itself runs in the repository); the folder of --out is made
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "speedrun", "--data", "data", "--out", "results/run.json",
                            "--keep", str(keep), "--", "--preset=smoke", "--num_iterations=4", "--val_loss_every=2",
                            "--val_tokens=1024", "--warmup_steps=0", "--log_every=1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": str(REPO),
+                               "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
                                "TRITON_CACHE_DIR": str(tmp_path / "triton"), "CUDA_VISIBLE_DEVICES": "1",
                                "PATH": f"{exe.parent}{os.pathsep}{os.environ['PATH']}"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

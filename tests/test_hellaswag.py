@@ -25,7 +25,7 @@ from runtime.errors import UserError
 TINY_FILE = Path(__file__).parent / "data" / "hellaswag_tiny.jsonl"
 # real GPT-2 token ids need the full (padded) vocabulary; the rest is as small as the model allows
 TINY = GPTConfig(num_layers=2, model_dim=8, num_heads=2, head_dim=4, num_value_embeds=1)
-CPU = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+CPU = Runtime(rank=0, world_size=1, device=torch.device("cpu"))
 BOOST = 10.0  # raw logit of a preferred token; the softcap c makes it c tanh(BOOST / c) (15: 8.74)
 
 
