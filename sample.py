@@ -33,11 +33,12 @@ def pick(logits_BV: torch.Tensor, temperature: float, top_k: int, generator: tor
     """Next token per row (B,): argmax at temperature 0, else a draw from the top_k (0 = all) tempered probs."""
     if temperature == 0:
         return logits_BV.argmax(dim=-1)
-    logits_BV = logits_BV / temperature
     if top_k:
         kth_BV = torch.topk(logits_BV, min(top_k, logits_BV.size(-1)), dim=-1).values[:, -1:]
         logits_BV = logits_BV.masked_fill(logits_BV < kth_BV, -math.inf)
-    return torch.multinomial(torch.softmax(logits_BV, dim=-1), 1, generator=generator)[:, 0]
+    # shifted so that the largest is 0 before the division: a tiny temperature then gives -inf, never inf - inf = nan
+    tempered_BV = (logits_BV - logits_BV.amax(dim=-1, keepdim=True)) / temperature
+    return torch.multinomial(torch.softmax(tempered_BV, dim=-1), 1, generator=generator)[:, 0]
 
 
 def padded_length(prompt_len: int, max_new_tokens: int, block: int, max_context: int) -> int:
@@ -91,13 +92,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num_samples", type=int, default=1, help="independent samples of the prompt")
     args = parser.parse_args(argv)
     for name, low in (("max_new_tokens", 0), ("temperature", 0), ("top_k", 0), ("num_samples", 1)):
-        if getattr(args, name) < low:
+        if not getattr(args, name) >= low:  # also refuses nan
             raise ValueError(f"--{name}={getattr(args, name)} must be at least {low}")
+    if math.isinf(args.temperature):
+        raise ValueError("--temperature=inf would draw every token alike: give a finite temperature (0 = greedy)")
 
     device = choose_device(args.device, local_rank=0)
     model, train_config = load_model(args.checkpoint, device)
     enc = get_encoding()
     prompt = [BOS_ID] + enc.encode_ordinary(args.prompt)
+    if len(prompt) > train_config["seq_len"]:
+        print(f"note: the prompt is {len(prompt):,} tokens with its <|endoftext|> start; the model reads only the last "
+              f"{train_config['seq_len']:,} (its training --seq_len)", file=sys.stderr)
     generator = torch.Generator(device).manual_seed(args.seed)
     samples = generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, num_samples=args.num_samples, window=train_config["window_max_tokens"],

@@ -256,3 +256,14 @@ def test_gaps_sums_the_idle_gpu_by_the_launch_after_it(tmp_path, monkeypatch, ca
     assert lines[0] == "span 0.1 ms, gaps > 2 us: 1, 0.05 ms"
     assert "  gaps below 100 us: 1 totalling 0.05 ms" in lines
     assert lines[-1] == "   0.05     1      5.0 | aten::add | add | gemm"
+
+
+def test_a_failed_run_shows_its_error_line(tmp_path):
+    """The harness names the training script's own message, not only the console file that holds it."""
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "speedrun", "--data", str(tmp_path), "--out",
+                           str(tmp_path / "out.json"), "--", "--device=cpu"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("train_gpt2.py failed with status 2 (error: no shard files match --train_files="), \
+        proc.stderr
+    assert f"; see {tmp_path / 'out.console.txt'}" in proc.stderr and not (tmp_path / "out.json").exists()

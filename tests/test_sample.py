@@ -138,8 +138,27 @@ def test_what_generate_feeds_the_model_matches_the_bare_context(checkpoint, devi
 
 
 def test_bad_flag_values_name_the_flag(checkpoint):
-    with pytest.raises(ValueError, match="--temperature=-1.0 must be at least 0"):
-        sample.main(["--checkpoint", str(checkpoint), "--temperature", "-1"])
+    for value in ("-1", "nan"):
+        with pytest.raises(ValueError, match=f"--temperature={float(value)} must be at least 0"):
+            sample.main(["--checkpoint", str(checkpoint), "--temperature", value])
+    with pytest.raises(ValueError, match=r"--temperature=inf would draw every token alike: give a finite temperature"):
+        sample.main(["--checkpoint", str(checkpoint), "--temperature", "inf"])
+
+
+def test_a_tiny_temperature_draws_the_likeliest_token():
+    """Tempered after the shift to a maximum of 0: 1e-40 makes the other logits -inf, not nan (inf - inf)."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.9, -1.0]]).expand(50, 5)
+    drawn = sample.pick(logits, 1e-40, 0, torch.Generator().manual_seed(0))
+    assert drawn.tolist() == [1] * 50
+
+
+def test_a_prompt_beyond_the_context_says_what_the_model_reads(checkpoint, capsys):
+    long_prompt = " fox" * (CONFIG.seq_len + 10)
+    assert sample.main(["--checkpoint", str(checkpoint), "--prompt", long_prompt, "--max_new_tokens", "1",
+                        "--device", "cpu", "--temperature", "0"]) == 0
+    assert capsys.readouterr().err == (f"note: the prompt is {CONFIG.seq_len + 11:,} tokens with its <|endoftext|> "
+                                       f"start; the model reads only the last {CONFIG.seq_len:,} (its training "
+                                       f"--seq_len)\n")
 
 
 @pytest.mark.parametrize("change", ["reshaped weight", "unknown config field"])
