@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     labels = args.labels or [Path(run).resolve().name for run in args.runs]
     if len(labels) != len(args.runs):
         raise UserError(f"--labels has {len(labels)} names for {len(args.runs)} runs; give one per run")
+    out = Path(args.out)
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder: give an image file, e.g. --out {out / 'loss.png'}")
+    out = out if out.suffix else out.with_suffix(".png")  # what matplotlib would write; now the message says so
     runs = [(label, read_metrics(Path(run))) for label, run in zip(labels, args.runs)]
     try:
         import matplotlib
@@ -67,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     for ax in (by_step, by_time):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(args.out, dpi=100)
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}")
     return 0
 
 

@@ -39,6 +39,18 @@ def test_two_runs_make_a_png(tmp_path, capsys):
     assert single.read_bytes() != data  # the drawing depends on the runs
 
 
+def test_out_names_the_file_written(tmp_path, capsys):
+    """--out without a suffix gets matplotlib's .png, and the message names that file; its folder is made; a
+    folder is refused before any drawing."""
+    run = fake_run(tmp_path / "run", 0.7)
+    assert plot.main([str(run), "--out", str(tmp_path / "plots" / "a")]) == 0
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'plots' / 'a.png'}\n"
+    assert (tmp_path / "plots" / "a.png").read_bytes()[:8] == PNG_SIGNATURE
+    with pytest.raises(UserError, match=rf"--out {tmp_path / 'plots'} is a folder: give an image file, e.g. --out "
+                                        rf"{tmp_path / 'plots' / 'loss.png'}"):
+        plot.main([str(run), "--out", str(tmp_path / "plots")])
+
+
 def test_missing_metrics_names_the_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="empty has no metrics.jsonl"):
