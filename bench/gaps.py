@@ -8,11 +8,11 @@ GPU had run out of queued work and waited for that launch (the host is too slow 
 microseconds each). Many milliseconds: the work was queued long before, and the gap is the GPU's own (a copy
 engine, or the profiler).
 """
-import json
 import sys
 from collections import defaultdict
 
-from runtime.run import GPU_WORK, LAUNCHES, launch_paths
+from runtime.errors import exit_on_user_error
+from runtime.run import GPU_WORK, LAUNCHES, launch_paths, read_gpu_trace
 
 MIN_GAP_US = 2  # shorter gaps are the usual distance between back-to-back kernels
 BUCKETS_US = (5, 20, 100, 1000, float("inf"))
@@ -20,7 +20,7 @@ SITES = 40
 
 
 def main():
-    events = json.loads(open(sys.argv[1]).read())["traceEvents"]
+    events = read_gpu_trace(sys.argv[1:], "python -m bench.gaps")
     path_of = launch_paths(events)
     launched_at = {e["args"]["correlation"]: e["ts"] for e in events
                    if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})}
@@ -52,4 +52,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_user_error(main)

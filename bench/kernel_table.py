@@ -7,15 +7,15 @@ Columns: total ms, launches, mean us per launch, F(orward) or B(ackward) (an aut
 launch), the launching graph (16 characters of its hash, or the innermost eager op), the kernel (150 characters).
 Rows under 0.2 ms are left out.
 """
-import json
 import sys
 from collections import defaultdict
 
-from runtime.run import COMPILED_GRAPH, launch_sites
+from runtime.errors import exit_on_user_error
+from runtime.run import COMPILED_GRAPH, launch_sites, read_gpu_trace
 
 
 def main():
-    events = json.loads(open(sys.argv[1]).read())["traceEvents"]
+    events = read_gpu_trace(sys.argv[1:], "python -m bench.kernel_table")
     rows = defaultdict(lambda: [0, 0.0])
     for (path, name), (count, ms) in launch_sites(events).items():
         graph = next((op[len(COMPILED_GRAPH) + 1:][:16] for op in path if op.startswith(COMPILED_GRAPH)),
@@ -31,4 +31,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_user_error(main)

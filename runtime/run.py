@@ -105,6 +105,23 @@ def kernel_busy_ms(events: list[dict]) -> tuple[float, float]:
 
 GPU_WORK = ("kernel", "gpu_memset", "gpu_memcpy")  # trace categories of work that runs on the GPU
 LAUNCHES = ("cuda_runtime", "cuda_driver")  # the CPU calls that queue it (cudaLaunchKernel, cuLaunchKernelEx, ...)
+
+
+def read_gpu_trace(argv: list[str], prog: str) -> list[dict]:
+    """The events of the one trace file named in argv (the bench tools' command line), which must hold GPU work;
+    a UserError names what to pass otherwise."""
+    usage = f"usage: {prog} RUN_DIR/profile_stepN.json (the trace of a GPU run with --profile_step=N)"
+    if len(argv) != 1 or argv[0].startswith("-"):
+        raise UserError(usage)
+    try:
+        events = json.loads(Path(argv[0]).read_bytes())["traceEvents"]
+    except OSError as error:
+        raise UserError(f"{argv[0]}: {error.strerror}; {usage}") from None
+    except (ValueError, KeyError, TypeError):  # not JSON (ValueError covers bad UTF-8), or JSON of another kind
+        raise UserError(f"{argv[0]} is not a torch.profiler trace; {usage}") from None
+    if not any(e.get("cat") in GPU_WORK for e in events):
+        raise UserError(f"{argv[0]} holds no GPU work: a CPU run's trace; {usage}")
+    return events
 CPU_SPANS = ("cpu_op", "user_annotation")  # aten ops and autograd nodes; record_function ranges such as a compiled
 # graph's "## Call CompiledFxGraph ... ##"
 

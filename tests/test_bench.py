@@ -1,6 +1,7 @@
 """bench/run.py: how per-step times and the validation context come out of a run's log, and the guard on too few
 timed steps; bench/gpu_monitor.py against a stand-in nvidia-smi; bench/gaps.py's sums on a small trace."""
 import glob
+import importlib
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 from bench.gpu_monitor import QUERY, GpuMonitor, active_clock_reasons
 from bench.run import MIN_STEPS, per_step_ms, val_context
+from runtime.errors import exit_on_user_error
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -267,3 +269,24 @@ def test_a_failed_run_shows_its_error_line(tmp_path):
     assert proc.stderr.startswith("train_gpt2.py failed with status 2 (error: no shard files match --train_files="), \
         proc.stderr
     assert f"; see {tmp_path / 'out.console.txt'}" in proc.stderr and not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("tool", ["bench.gaps", "bench.kernel_table"])
+def test_trace_tools_name_what_to_pass(tmp_path, tool, monkeypatch, capsys):
+    """Each wrong input gets one line that says what the tool reads, not a traceback."""
+    usage = f"usage: python -m {tool} RUN_DIR/profile_stepN.json (the trace of a GPU run with --profile_step=N)"
+    (tmp_path / "log.txt").write_text("step:1/2 train_loss:10.8\n")
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    (tmp_path / "cpu.json").write_text(json.dumps({"traceEvents": [{"cat": "cpu_op", "name": "aten::mm", "ts": 0}]}))
+    cases = [([], usage), (["-h"], usage), ([str(tmp_path / "none.json")], "No such file or directory; usage"),
+             ([str(tmp_path)], "Is a directory; usage"), ([str(tmp_path / "log.txt")], "is not a torch.profiler trace"),
+             ([str(tmp_path / "other.json")], "is not a torch.profiler trace"),
+             ([str(tmp_path / "cpu.json")], "holds no GPU work: a CPU run's trace")]
+    module = importlib.import_module(tool)
+    for args, message in cases:
+        monkeypatch.setattr(sys, "argv", [tool, *args])
+        with pytest.raises(SystemExit) as exit_info:
+            exit_on_user_error(module.main)  # as `python -m` runs it
+        out, err = capsys.readouterr()
+        assert exit_info.value.code == 2 and err.startswith("error: ") and message in err, err
+        assert len(err.splitlines()) == 1 and out == ""
