@@ -51,7 +51,8 @@ def _check_download_allowed() -> None:
 
 def _check_file(path: Path) -> None:
     if not path.is_file():
-        raise ValueError(f"--hellaswag_file {path}: no such file; pass a copy of {URL}")
+        what = "a folder" if path.is_dir() else "no such file"
+        raise ValueError(f"--hellaswag_file {path}: {what}; pass a copy of {URL}")
 
 
 def check_available(path: str | None) -> None:
@@ -90,16 +91,16 @@ def load_examples(path: Path) -> list[dict]:
     path = Path(path)
     _check_file(path)
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
-                ex = json.loads(line)
+                ex = json.loads(raw.decode("utf-8"))
                 ok = (isinstance(ex.get("ctx"), str) and isinstance(ex.get("endings"), list)
                       and len(ex["endings"]) == NUM_ENDINGS and all(isinstance(e, str) for e in ex["endings"])
                       and ex.get("label") in range(NUM_ENDINGS))
-            except (json.JSONDecodeError, AttributeError):
+            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):  # a binary file fails here
                 ok = False
             if not ok:
                 raise ValueError(f"{path}:{lineno} is not a HellaSwag example (a JSON object with a string 'ctx', "

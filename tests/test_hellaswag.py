@@ -191,6 +191,10 @@ def test_bad_line_names_the_file_and_the_line(tmp_path):
         hellaswag.load_examples(bad)
     with pytest.raises(ValueError, match="no such file"):
         hellaswag.load_examples(tmp_path / "absent.jsonl")
+    binary = tmp_path / "ckpt_000002.pt"  # a checkpoint passed by mistake: a zip, not UTF-8 text
+    binary.write_bytes(b"PK\x03\x04\x80\xff" + bytes(range(256)))
+    with pytest.raises(ValueError, match=r"ckpt_000002\.pt:1 is not a HellaSwag example"):
+        hellaswag.load_examples(binary)
 
 
 @pytest.fixture
@@ -241,7 +245,7 @@ def test_check_available_finds_what_the_evaluation_would_miss(cache, monkeypatch
     it never downloads (the fixture fails any attempt)."""
     hellaswag.check_available(str(TINY_FILE))
     hellaswag.check_available(None)  # no cache, but a download is allowed
-    with pytest.raises(ValueError, match=f"--hellaswag_file {tmp_path}: no such file"):
+    with pytest.raises(ValueError, match=f"--hellaswag_file {tmp_path}: a folder; pass a copy of"):
         hellaswag.check_available(str(tmp_path))  # a folder is not the file
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="is missing and HF_HUB_OFFLINE=1 forbids downloading it"):
