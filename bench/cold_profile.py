@@ -76,11 +76,19 @@ def main():
     ap.add_argument("--repo", default=f"{Path(__file__).resolve().parents[1]}/",
                     help="the checkout's path on the machine that recorded it (default: this checkout's)")
     args = ap.parse_args()
-    data = json.load(open(args.speedscope))
-    frames, profiles = data["shared"]["frames"], data["profiles"]
+    try:
+        data = json.loads(Path(args.speedscope).read_bytes())
+        frames, profiles = data["shared"]["frames"], data["profiles"]
+    except OSError as error:
+        ap.error(f"{args.speedscope}: {error.strerror}")
+    except (ValueError, KeyError, TypeError):  # not JSON, or JSON of another kind (a Chrome trace)
+        ap.error(f"{args.speedscope} is not a py-spy recording in speedscope format (-f speedscope)")
     # the training process is the one whose main thread runs train_gpt2.py
-    trainer = next(p["name"].split()[1] for p in profiles
-                   if any(frames[i]["name"] == "train" for s in p["samples"][:2000] for i in s))
+    trainer = next((p["name"].split()[1] for p in profiles
+                    if any(frames[i]["name"] == "train" for s in p["samples"][:2000] for i in s)), None)
+    if trainer is None:
+        ap.error(f"no process in {args.speedscope} ran train_gpt2's train(): record with py-spy's --subprocesses, "
+                 f"as above")
     busy_total, longest_job, workers = 0.0, 0.0, 0
     for p in profiles:
         pid = p["name"].split()[1]

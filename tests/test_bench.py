@@ -290,3 +290,22 @@ def test_trace_tools_name_what_to_pass(tmp_path, tool, monkeypatch, capsys):
         out, err = capsys.readouterr()
         assert exit_info.value.code == 2 and err.startswith("error: ") and message in err, err
         assert len(err.splitlines()) == 1 and out == ""
+
+
+def test_cold_profile_names_what_it_reads(tmp_path, monkeypatch, capsys):
+    from bench import cold_profile
+
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": []}))  # a Chrome trace, not a py-spy recording
+    # a recording of one process that never ran train(): py-spy was started without --subprocesses
+    recording = {"shared": {"frames": [{"name": "main"}, {"name": "launch"}]},
+                 "profiles": [{"name": "Process 7 Thread 7", "samples": [[0, 1]], "weights": [0.02]}]}
+    (tmp_path / "parent.json").write_text(json.dumps(recording))
+    for name, message in (("none.json", "none.json: No such file or directory"),
+                          ("trace.json", "trace.json is not a py-spy recording in speedscope format (-f speedscope)"),
+                          ("parent.json", "parent.json ran train_gpt2's train(): record with py-spy's "
+                                          "--subprocesses")):
+        monkeypatch.setattr(sys, "argv", ["cold_profile", str(tmp_path / name)])
+        with pytest.raises(SystemExit) as exit_info:
+            cold_profile.main()
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and message in err, err
