@@ -57,8 +57,8 @@ def launch(nproc: int, train_args: list[str], log_dir: Path,
             if line.startswith("step:"):
                 last_step = time.perf_counter() - t0
         if proc.wait():
-            errors = [line.strip() for line in open(console) if line.startswith("error: ")]
-            sys.exit(f"train_gpt2.py failed with status {proc.returncode}" + (f" ({errors[0]})" if errors else "") +
+            error = next((line for line in console.read_text().splitlines() if line.startswith("error: ")), None)
+            sys.exit(f"train_gpt2.py failed with status {proc.returncode}" + (f" ({error})" if error else "") +
                      f"; see {console}")
     return time.perf_counter() - t0, warm, last_step
 

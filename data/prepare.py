@@ -66,11 +66,10 @@ def input_files(inputs, ignored: list[Path] | None = None) -> list[Path]:
             files.append(given)
         else:
             raise PrepareError(f"input {given} does not exist: pass existing files or directories")
-    once, seen = [], set()
+    first = {}  # each file's first mention, in the order given
     for path in files:
-        if path.resolve() not in seen:
-            seen.add(path.resolve())
-            once.append(path)
+        first.setdefault(path.resolve(), path)
+    once = list(first.values())
     if len(once) < len(files):
         print(f"warning: {len(files) - len(once)} file(s) given more than once (by name, or inside a folder also "
               f"given) are read once", file=sys.stderr)

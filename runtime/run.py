@@ -105,6 +105,8 @@ def kernel_busy_ms(events: list[dict]) -> tuple[float, float]:
 
 GPU_WORK = ("kernel", "gpu_memset", "gpu_memcpy")  # trace categories of work that runs on the GPU
 LAUNCHES = ("cuda_runtime", "cuda_driver")  # the CPU calls that queue it (cudaLaunchKernel, cuLaunchKernelEx, ...)
+CPU_SPANS = ("cpu_op", "user_annotation")  # aten ops and autograd nodes; record_function ranges such as a compiled
+# graph's "## Call CompiledFxGraph ... ##"
 
 
 def read_gpu_trace(argv: list[str], prog: str) -> list[dict]:
@@ -122,8 +124,6 @@ def read_gpu_trace(argv: list[str], prog: str) -> list[dict]:
     if not any(e.get("cat") in GPU_WORK for e in events):
         raise UserError(f"{argv[0]} holds no GPU work: a CPU run's trace; {usage}")
     return events
-CPU_SPANS = ("cpu_op", "user_annotation")  # aten ops and autograd nodes; record_function ranges such as a compiled
-# graph's "## Call CompiledFxGraph ... ##"
 
 
 def launch_sites(events: list[dict]) -> dict[tuple[tuple[str, ...], str], list]:
