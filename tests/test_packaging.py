@@ -243,7 +243,7 @@ def test_fineweb_shards_counts_the_tokens_a_run_reads():
     assert fineweb_shards([]) == 9  # 1,750 x 393,216 = 688M -> 757M -> 8 shards, + 1
     assert fineweb_shards(["--preset=d24"]) == 23  # 5,000 x 393,216 = 1.97B -> 2.16B -> 22, + 1
     assert fineweb_shards(["--preset", "d48"]) == 59  # 10,000 x 32 x 16,384 = 5.24B -> 5.77B -> 58, + 1
-    assert fineweb_shards(["--preset=short"]) == 2  # 550 x 3 x 49,152 = 81M -> 89M -> 1, + 1
+    assert fineweb_shards(["--preset=short"]) == 2  # 540 x 3 x 49,152 = 80M -> 88M -> 1, + 1
     assert fineweb_shards(["--num_iterations=100000"]) == 103
 
 
