@@ -58,7 +58,8 @@ class TrainConfig:
     vocab_size: int = 50304  # GPT-2's 50,257 padded to a multiple of 128 for fast matmuls
     num_value_embeds: int = 3  # value embeddings shared by the first and last 3 layers (record #28); 0 = off
     no_mlp_layers: str = ""  # comma-separated layers without an MLP, e.g. "0"; "" = none (record #28 keeps all)
-    no_attention_layers: str = "7"  # comma-separated layers without attention (record #28: layer 7); "" = none
+    # auto: record #28 cut layer 7's attention at its 12 layers; other depths keep every block
+    no_attention_layers: str = "auto"  # comma-separated layers without attention; "" = none; auto = 7 at 12 layers
     value_residual: bool = False  # mix layer 0's values into every later layer's (Zhou et al. 2024); not in #28
     attn_gate: bool = True  # per-head sigmoid gate on the attention output (record #28's sparse attention gate)
     smear: bool = False  # add a gated share of the previous token's embedding (modded-nanogpt after #28); not in #28
@@ -108,7 +109,7 @@ PRESETS: dict[str, dict] = {
     # a tiny model on the sample corpus that ships in the repo: trains in well under a minute on 2 CPU cores
     "smoke": dict(train_files="sample", val_files="sample", val_tokens=4_096, seq_len=256, batch_size=2,
                   device_batch_size=2, num_layers=2, model_dim=64, num_heads=2, head_dim=32, num_value_embeds=1,
-                  no_attention_layers="", num_iterations=40, cooldown_frac=0.3,
+                  num_iterations=40, cooldown_frac=0.3,
                   window_min_tokens=128, window_max_tokens=256, val_loss_every=20, log_every=5,
                   lr_embed=0.1, lr_head=0.01, warmup_steps=1, compile=False),
     # The one-GPU time-to-loss run of bench/results (issue 7): record #28's model, 540 steps of 3 sequences (80M
@@ -119,15 +120,15 @@ PRESETS: dict[str, dict] = {
     # Every run there logged every 20th step: each logged step syncs the GPU once, and the margin is about 2 s.
     "short": dict(batch_size=3, num_iterations=540, cooldown_frac=0.9, momentum_warmup_steps=-1, val_loss_every=0,
                   log_every=20, muon_method="polar_express"),
-    # The larger shapes keep every block complete: record #28's layer-7 cut was found for 12 layers only.
+    # The larger shapes keep every block complete (no_attention_layers="auto" cuts layer 7 at 12 layers only).
     # GPT-2 medium shape (350M; 24 layers, 1024 wide, 16 heads of 64); target val 2.92 = llm.c's GPT-2 medium
-    "d24": dict(no_attention_layers="", num_layers=24, model_dim=1024, num_heads=16, head_dim=64,
+    "d24": dict(num_layers=24, model_dim=1024, num_heads=16, head_dim=64,
                 num_iterations=5000, lr_hidden=0.03, lr_embed=0.3),
     # GPT-2 large shape (774M; 36 layers, 1280 wide, 20 heads of 64); lower LRs as width grows (muP intuition)
-    "d36": dict(no_attention_layers="", num_layers=36, model_dim=1280, num_heads=20, head_dim=64,
+    "d36": dict(num_layers=36, model_dim=1280, num_heads=20, head_dim=64,
                 seq_len=32 * 1024, batch_size=16, num_iterations=7000, lr_hidden=0.025, lr_embed=0.2),
     # GPT-2 XL shape (1.5B; 48 layers, 1600 wide, 25 heads of 64), as in the speedrun's 1.5B scale-up
-    "d48": dict(no_attention_layers="", num_layers=48, model_dim=1600, num_heads=25, head_dim=64,
+    "d48": dict(num_layers=48, model_dim=1600, num_heads=25, head_dim=64,
                 seq_len=16 * 1024, batch_size=32, num_iterations=10000, lr_hidden=0.02, lr_embed=0.15),
 }
 
@@ -139,6 +140,7 @@ RESUME_MAY_CHANGE = {"resume", "log_dir", "checkpoint_every", "val_loss_every", 
                      "warmup_steps", "device", "hellaswag", "hellaswag_file", "val_files", "val_tokens", "val_context",
                      "preset", "device_batch_size"}
 BLOCK_SIZE = 128  # FlexAttention's tile: packed sequences are cut into blocks of this many tokens
+RECORD_NO_ATTENTION_LAYERS = (7,)  # record #28 runs layer 7 of its 12 without attention
 # BOS alignment skips from each sequence's start to the next document start: a margin of 10% covers skips of up to
 # 4,900 tokens per 48K sequence (the proxy corpus's first 49,152 training tokens hold 28 documents, 1,755 tokens
 # each on average: bench/results/attention_1xH200.json)
@@ -259,6 +261,14 @@ def short_window_layers(cfg: TrainConfig) -> tuple[int, ...] | None:
     return tuple(i for i in range(cfg.num_layers) if i not in long)
 
 
+def no_attention_layers(cfg: TrainConfig) -> tuple[int, ...]:
+    """The layers named by --no_attention_layers; "auto" is record #28's (layer 7) at 12 layers and none otherwise:
+    the cut was found for that depth, and layer 7 of 24 is another place in the network."""
+    if cfg.no_attention_layers == "auto":
+        return RECORD_NO_ATTENTION_LAYERS if cfg.num_layers == TrainConfig.num_layers else ()
+    return layer_list("no_attention_layers", cfg.no_attention_layers, cfg.num_layers, fallback="auto")
+
+
 def model_config(cfg: TrainConfig) -> GPTConfig:
     return GPTConfig(vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, model_dim=cfg.model_dim,
                      num_heads=cfg.num_heads, head_dim=cfg.head_dim, num_value_embeds=cfg.num_value_embeds,
@@ -266,7 +276,7 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
                      attn_gate=cfg.attn_gate, smear=cfg.smear, backout=cfg.backout,
                      short_window_layers=short_window_layers(cfg),
                      no_mlp_layers=layer_list("no_mlp_layers", cfg.no_mlp_layers, cfg.num_layers),
-                     no_attention_layers=layer_list("no_attention_layers", cfg.no_attention_layers, cfg.num_layers))
+                     no_attention_layers=no_attention_layers(cfg))
 
 
 def oom_advice(cfg: TrainConfig) -> str:

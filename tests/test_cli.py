@@ -119,3 +119,13 @@ def test_layer_lists_reach_the_model():
                                                      "--no_mlp_layers=0"], PRESETS))
     assert [i for i in range(12) if not custom.is_short_window(i)] == [0, 4, 8, 11]
     assert (custom.no_attention_layers, custom.no_mlp_layers) == ((), (0,))
+
+
+@pytest.mark.parametrize("num_layers, cut", [(12, (7,)), (8, ()), (16, ()), (24, ())])
+def test_record_attention_cut_only_at_the_records_depth(num_layers, cut):
+    """--no_attention_layers=auto drops layer 7's attention at record #28's 12 layers only: a lone --num_layers
+    (without a preset) must not carry the cut to a depth it was not found for; a list given keeps its layers."""
+    cfg = parse_config(TrainConfig, [f"--num_layers={num_layers}"], PRESETS)
+    assert model_config(cfg).no_attention_layers == cut
+    named = parse_config(TrainConfig, [f"--num_layers={num_layers}", "--no_attention_layers=7"], PRESETS)
+    assert model_config(named).no_attention_layers == (7,)

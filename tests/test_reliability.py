@@ -312,7 +312,7 @@ def test_25_bad_id_in_the_validation_shard(corpus):
     ("normuon_beta2", 1.0, "--normuon_beta2=1.0 must be from 0 (plain Muon) to below 1; NorMuon's paper uses "
      "--normuon_beta2=0.95"),
     ("no_attention_layers", "seven", "--no_attention_layers='seven' must be comma-separated layer numbers, e.g. "
-     "--no_attention_layers=0,7, or --no_attention_layers=''"),
+     "--no_attention_layers=0,7, or --no_attention_layers=auto"),
     ("no_mlp_layers", "12", "--no_mlp_layers='12' names a layer outside 0..11 (--num_layers=12); pass layers inside "
      "it, or --no_mlp_layers=''"),
     ("no_attention_layers", "0,9,2,11", "value embedding 0 feeds layers [0, 9], which no_attention_layers=[0, 2, "
