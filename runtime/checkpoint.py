@@ -85,8 +85,9 @@ def load_checkpoint(path: str, mmap: bool = False, verify: bool = True, flag: st
                         f"the run folder that holds them")
     try:
         # torch.save stores a CRC-32 of every record, but torch.load does not check them: a flipped bit inside a
-        # tensor would load as a silently different weight. The check reads the file once more: 0.6 s per GiB
-        # from the page cache on the 2-core development machine, against 0.9 s for the torch.load itself.
+        # tensor would load as a silently different weight. The check reads the file once more: 0.39 s per GiB
+        # from the page cache on the 2-core development machine, against 0.64 s for the torch.load itself
+        # (bench/results/cpu_timings_2core.json).
         if verify:
             with zipfile.ZipFile(p) as archive:
                 damaged = archive.testzip()
