@@ -1,10 +1,12 @@
 """model/head.py: the fused head loss (bf16/fp32 and FP8 paths) against F.cross_entropy of capped logits."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from model import head as head_module
 from model.head import IGNORE_INDEX, Head, HeadLoss, reference_loss
 
 SOFTCAP = 15.0
@@ -104,15 +106,22 @@ def test_fp8_per_token_upstream_gradients():
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_loss_without_grad_is_the_same(fp8):
+def test_loss_without_grad_is_the_same(fp8, monkeypatch):
     """Without a backward to follow (validation), HeadLoss skips the gradient's pass: the same loss, bit for bit,
-    and Head picks that path under torch.no_grad."""
+    and Head picks that path under torch.no_grad (the gradient's ops are made to fail there)."""
     x, w, targets = problem(n=64, d=64, v=256, dtype=torch.bfloat16)
     with_grad = fused(fp8)(x, w.float(), targets)
     assert torch.equal(fused(fp8, with_grad=False)(x, w.float(), targets), with_grad)
     head = Head(64, 256, SOFTCAP)
     head.fp8 = fp8
     head.weight.data.copy_(w.float())
+
+    def no_gradient_pass(*args):
+        raise AssertionError("the gradient's pass ran under torch.no_grad")
+
+    monkeypatch.setattr(head_module, "TORCH_OPS", SimpleNamespace(
+        lse_and_loss=head_module.lse_and_loss, loss_and_unit_grad=no_gradient_pass,
+        loss_and_unit_grad_fp8=no_gradient_pass))
     with torch.no_grad():
         loss = head(x[None], targets[None], "none")
     assert loss.grad_fn is None and torch.equal(loss.flatten(), with_grad)

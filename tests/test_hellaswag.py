@@ -122,8 +122,9 @@ def test_ending_losses_match_unpadded_logits(device):
         assert loss.item() == pytest.approx(-picked.mean().item(), rel=1e-5 if device == "cpu" else 1e-2)
 
 
+# the last: its first two examples right, the others wrong, so --limit=2 shows which examples it keeps
 @pytest.mark.parametrize("chosen, accuracy", [([0, 2, 1, 3, 1], 1.0), ([1, 3, 2, 0, 2], 0.0),
-                                              ([0, 1, 1, 0, 1], 0.6)])
+                                              ([0, 1, 1, 0, 1], 0.6), ([0, 2, 0, 0, 0], 0.4)])
 def test_accuracy_of_models_with_known_answers(chosen, accuracy):
     model, right = preferring(chosen)
     assert sum(right) / len(right) == accuracy
@@ -158,7 +159,15 @@ def _rank_main(rank, store, out_dir):
     try:
         model, _ = preferring([0, 2, 0, 0, 1])
         rt = dataclasses.replace(CPU, rank=rank, world_size=2)
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(hellaswag.count_correct(model, rt, tiny_examples())))
+        scored, score = [], hellaswag.ending_losses
+
+        def counting(model, rows, num_rows, device):  # how many examples this rank scores itself
+            scored.append(len(rows) // hellaswag.NUM_ENDINGS)
+            return score(model, rows, num_rows, device)
+
+        hellaswag.ending_losses = counting  # in this forked process only
+        counts = hellaswag.count_correct(model, rt, tiny_examples())
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"counts": counts, "scored": sum(scored)}))
     finally:
         torch_dist.destroy_process_group()
 
@@ -170,8 +179,8 @@ def test_two_ranks_split_the_examples_and_sum_the_counts(tmp_path):
     assert hellaswag.count_correct(model, CPU, tiny_examples()) == (3, 5)
     # rank 0 scores examples 0, 2, 4 (2 right), rank 1 examples 1, 3 (1 right): both report the sum
     assert right == [True, True, False, False, True]
-    for rank in range(2):
-        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [3, 5]
+    for rank, scored in enumerate((3, 2)):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"counts": [3, 5], "scored": scored}
 
 
 def test_cli_scores_a_checkpoint(tmp_path, capsys):

@@ -60,15 +60,20 @@ def test_function_matches_autograd_in_bf16():
 
 def test_mlp_module_uses_the_function():
     """model.layers.MLP on (B, T, D) is the plain MLP on the flattened tokens, weights cast to x's dtype, added to the
-    residual stream."""
+    residual stream; the gradients reach its weights and both inputs as autograd's own."""
     torch.manual_seed(0)
     mlp = layers.MLP(16, 64)
     mlp.init_weights()
     with torch.no_grad():
         mlp.proj_w.normal_()
-    x, r = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
-    want = plain_mlp(x.flatten(0, 1), mlp.fc_w, mlp.proj_w, r.flatten(0, 1))
-    torch.testing.assert_close(mlp(x, r), want.view(2, 5, 16))
+    x, r = torch.randn(2, 5, 16, requires_grad=True), torch.randn(2, 5, 16, requires_grad=True)
+    g = torch.randn(2, 5, 16)  # the upstream gradient
+    inputs = (x, r, mlp.fc_w, mlp.proj_w)
+    got = mlp(x, r)
+    want = plain_mlp(x.flatten(0, 1), mlp.fc_w, mlp.proj_w, r.flatten(0, 1)).view(2, 5, 16)
+    torch.testing.assert_close(got, want)
+    for got_grad, want_grad in zip(torch.autograd.grad(got, inputs, g), torch.autograd.grad(want, inputs, g)):
+        torch.testing.assert_close(got_grad, want_grad)
 
 
 # --- GPU ----------------------------------------------------------------------------------------------------------

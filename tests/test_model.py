@@ -198,7 +198,8 @@ def test_every_parameter_gets_a_gradient_at_odd_depths(num_layers):
     config = dataclasses.replace(TINY, num_layers=num_layers, num_value_embeds=num_layers // 2)
     model = tiny_model(config, random=True)
     model(*batch(), torch.tensor(64)).backward()
-    assert [p.grad is not None for p in model.parameters()] == [True] * len(list(model.parameters()))
+    for name, p in model.named_parameters():  # an unpaired block whose output were dropped would get zeros
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
     assert sum(len(g["params"]) for g in model.param_groups()) == len(list(model.parameters()))
 
 

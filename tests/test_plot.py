@@ -29,6 +29,16 @@ def test_two_runs_make_a_png(tmp_path, capsys):
     out = tmp_path / "loss.png"
     assert plot.main([str(a), str(b), "--out", str(out)]) == 0
     assert capsys.readouterr().out == f"wrote {out}\n"
+    # what was drawn: each run's validation line (the labelled one) against steps, and against seconds
+    import matplotlib.pyplot as plt
+    by_step, by_time = plt.gcf().axes
+    for ax, x in ((by_step, [0, 10, 20, 30, 40]), (by_time, [0.0, 1.5, 3.0, 4.5, 6.0])):
+        lines = {line.get_label(): line for line in ax.lines if not line.get_label().startswith("_")}
+        assert set(lines) == {"run_a", "run_b"}
+        for name, scale in (("run_a", 0.7), ("run_b", 0.8)):
+            assert list(lines[name].get_xdata()) == x
+            assert list(lines[name].get_ydata()) == pytest.approx([10.8 - scale * s ** 0.5 for s in range(0, 41, 10)])
+    plt.close("all")
     data = out.read_bytes()
     assert data[:8] == PNG_SIGNATURE
     width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk follows the signature
