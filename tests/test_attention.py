@@ -23,8 +23,9 @@ def layouts(seq_len: int = T, block: int = BLOCK) -> torch.Tensor:
     rows[0, torch.randint(0, seq_len, (seq_len // 20,), generator=g)] = BOS  # many short documents at random
     rows[1, [0, 7, seq_len * 5 // 8]] = BOS  # a document over more than half the row
     rows[2, 0] = BOS  # one document over the whole row
-    # tokens before the first BOS, a one-token document, a block-aligned BOS, an unaligned one
-    rows[3, [40, 41, 2 * block, seq_len * 3 // 4 + 8]] = BOS
+    # tokens before the first BOS, a one-token document, a block-aligned BOS, an unaligned one, and one on a block's
+    # last token (that block's last document is not its first-but-one token's)
+    rows[3, [40, 41, 2 * block, 3 * block - 1, seq_len * 3 // 4 + 8]] = BOS
     return rows
 
 

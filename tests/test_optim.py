@@ -52,21 +52,23 @@ def test_newton_schulz_batch_matches_one_matrix_at_a_time_and_zero_stays_zero():
     assert torch.equal(newton_schulz(torch.zeros(2, 8, 4)), torch.zeros(2, 8, 4, dtype=torch.bfloat16))
 
 
-def test_adam_groups_match_torch_adamw_over_ten_steps():
+# gradients of 1e-6 against eps = 1e-6: the update's denominator is half eps, so where eps enters is checked too
+@pytest.mark.parametrize("grad_scale, eps", [(1.0, 1e-10), (1e-6, 1e-6)])
+def test_adam_groups_match_torch_adamw_over_ten_steps(grad_scale, eps):
     torch.manual_seed(0)
     shapes = {"embed": [(10, 6)], "scalar": [(), (3,)]}
     lr = {"embed": 0.01, "scalar": 0.003}
     ours = {n: [torch.randn(s) for s in ss] for n, ss in shapes.items()}
     theirs = {n: [p.clone().requires_grad_() for p in ps] for n, ps in ours.items()}
     opt = MuonAdam([{"kind": "adam", "name": n, "params": ps} for n, ps in ours.items()], lr=lr,
-                   adam_betas=(0.8, 0.95), adam_eps=1e-10)
+                   adam_betas=(0.8, 0.95), adam_eps=eps)
     ref = torch.optim.AdamW([{"params": ps, "lr": lr[n]} for n, ps in theirs.items()], betas=(0.8, 0.95),
-                            eps=1e-10, weight_decay=0.0)
+                            eps=eps, weight_decay=0.0)
     for step in range(10):
         mult = 1.0 - 0.05 * step  # a changing schedule value must reach both the same way
         for n in shapes:
             for p, q in zip(ours[n], theirs[n]):
-                p.grad = torch.randn_like(p)
+                p.grad = grad_scale * torch.randn_like(p)
                 q.grad = p.grad.clone()
         for group, n in zip(ref.param_groups, shapes):
             group["lr"] = lr[n] * mult
@@ -129,14 +131,16 @@ def test_normalize_neurons_against_one_neuron_at_a_time(shape):
 
 @pytest.mark.parametrize("method", sorted(ITERATIONS))
 @pytest.mark.parametrize("normuon_beta2", [0.0, 0.9])
-def test_muon_step_matches_the_formula_by_hand(method, normuon_beta2):
+@pytest.mark.parametrize("shape, scale", [((12, 6), 2 ** 0.5), ((6, 12), 1.0)])  # tall: sqrt(rows/cols); wide: 1
+def test_muon_step_matches_the_formula_by_hand(method, normuon_beta2, shape, scale):
     torch.manual_seed(1)
-    w = torch.randn(12, 6)  # tall: scale sqrt(12/6)
-    ref_w, momentum, second_moment = w.clone(), torch.zeros_like(w), torch.zeros(12, 1)
+    w = torch.randn(shape)
+    # one second moment per neuron: the rows of a tall matrix, the columns of a wide one
+    ref_w, momentum, second_moment = w.clone(), torch.zeros_like(w), torch.zeros(max(shape), 1)
     opt = MuonAdam([{"kind": "muon", "name": "hidden", "params": [w]}], lr={"hidden": 0.05}, muon_method=method,
                    normuon_beta2=normuon_beta2)
     for step, (mult, beta) in enumerate([(1.0, 0.85), (0.5, 0.9), (0.25, 0.95)]):
-        g = torch.randn(12, 6)
+        g = torch.randn(shape)
         w.grad = g.clone()
         opt.step(mult, beta)
         momentum = beta * momentum + (1 - beta) * g
@@ -144,7 +148,7 @@ def test_muon_step_matches_the_formula_by_hand(method, normuon_beta2):
         update = reference_newton_schulz(nesterov, method).float()
         if normuon_beta2:
             update, second_moment = reference_normalize_neurons(update, second_moment, normuon_beta2)
-        ref_w -= 0.05 * mult * 2 ** 0.5 * update.float()
+        ref_w -= 0.05 * mult * scale * update.float()
         # Measured equal over 30 seeds (with NorMuon, within 2.4e-7); the tolerance (1% of lr) only allows the
         # lerp in the optimizer and the expanded formula here to round fp32 differently and flip a bf16 rounding.
         # A wrong scale, momentum, Nesterov term or neuron normalisation moves entries by O(lr).
@@ -216,12 +220,19 @@ def test_state_dict_round_trip_resumes_bitwise(normuon_beta2):
 
 
 def test_load_state_dict_refuses_a_different_model():
+    """Other shapes, and a group more or less than the model has (a saved group would be dropped unread, a missing
+    one a bare KeyError): each names the model configuration."""
     opt = MuonAdam(make_groups(), lr=LR)
     state = opt.state_dict()
     other = make_groups()
     other[1]["params"] = [torch.randn(12, 8)]
     with pytest.raises(ValueError, match="model configuration"):
         MuonAdam(other, lr=LR).load_state_dict(state)
+    extra = {**state, "groups": {**state["groups"], "head": state["groups"]["embed"]}}
+    missing = {**state, "groups": {k: v for k, v in state["groups"].items() if k != "scalar"}}
+    for groups in (extra, missing):
+        with pytest.raises(ValueError, match=r"optimizer state has groups .* but the model has .*model configuration"):
+            MuonAdam(make_groups(), lr=LR).load_state_dict(groups)
 
 
 @pytest.mark.gpu
