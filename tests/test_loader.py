@@ -147,6 +147,82 @@ def test_data_exhausted_or_cycle(tmp_path):
     assert cycling.state_dict()["epoch"] >= 1
 
 
+def stream_with_bos(n_tokens, bos_positions, seed=0):
+    """Ordinary tokens with a BOS exactly at bos_positions and nowhere else: document starts placed by hand."""
+    tokens = np.random.default_rng(seed).integers(0, BOS_ID, size=n_tokens, dtype=np.int64)
+    tokens[list(bos_positions)] = BOS_ID
+    return tokens
+
+
+def test_alignment_window_covers_the_largest_skip_before_every_sequence(tmp_path):
+    """Every sequence skips the most alignment allows, T-1 tokens: a BOS at T-1 and then every 2T-1 tokens puts
+    each next BOS T-1 tokens after the previous sequence's end. The step then reaches B * (2T-1) + 1 tokens into
+    the stream, all of the window the loader reads ahead; a shorter window would end the data early."""
+    period = 2 * T - 1
+    stream = stream_with_bos(3 * B * period, range(T - 1, 3 * B * period, period))
+    write_shard(tmp_path / "train_000001.bin", stream)
+    (loader,) = loaders_for(str(tmp_path / "train_*.bin"), 1, B)
+    for step, expected in enumerate(reference_steps(stream, 2, True)):
+        rows = take_step([loader])
+        np.testing.assert_array_equal(rows, expected)
+        assert (rows[:, 0] == BOS_ID).all()
+        assert loader.state_dict() == {"shard": 0, "position": (step + 1) * B * period, "epoch": 0}
+
+
+def test_bos_exactly_seq_len_ahead_is_out_of_reach(tmp_path):
+    """Alignment takes a BOS within the next T tokens, offsets 0..T-1 from the previous sequence's end. One exactly
+    T ahead would skip a whole sequence's worth of tokens, so that sequence starts mid-document instead."""
+    stream = stream_with_bos(4 * B * T, (0, 2 * T))
+    write_shard(tmp_path / "train_000001.bin", stream)
+    (loader,) = loaders_for(str(tmp_path / "train_*.bin"), 1, B)
+    rows = take_step([loader])
+    np.testing.assert_array_equal(rows, reference_steps(stream, 1, True)[0])
+    np.testing.assert_array_equal(rows[1], stream[T:2 * T + 1])  # mid-document, its last target the BOS at 2T
+    assert rows[1, 0] != BOS_ID and rows[2, 0] == BOS_ID
+    assert loader.state_dict() == {"shard": 0, "position": B * T, "epoch": 0}  # nothing was skipped
+
+
+def test_step_ending_at_a_shard_boundary_saves_a_resumable_state(tmp_path):
+    """A step ending exactly at the end of a shard leaves the cursor on the next shard's first token. (shard 0,
+    token 2BT) would name a token shard 0 does not hold, which load_state_dict rejects: no resume from there."""
+    stream, pattern = write_shards(tmp_path, sizes=(2 * B * T, 500))
+    (loader,) = loaders_for(pattern, 1, B, align_to_bos=False)
+    take_step([loader])
+    take_step([loader])  # its last target is shard 1's first token, its end the last token of shard 0
+    state = loader.state_dict()
+    assert state == {"shard": 1, "position": 0, "epoch": 0}
+    resumed = loaders_for(pattern, 2, 2, align_to_bos=False)
+    for r in resumed:
+        r.load_state_dict(state)
+    np.testing.assert_array_equal(take_step(resumed), reference_steps(stream, 3, False)[2])
+
+
+def test_exactly_one_step_of_tokens_left_is_data_exhausted(tmp_path):
+    """A step reads B*T + 1 tokens (the last sequence's last target too), so with exactly B*T left the data has
+    ended: the user gets DataExhausted, whose message names the fix, not an internal AssertionError."""
+    _, pattern = write_shards(tmp_path, sizes=(B * T + 1, B * T - 1))  # 2BT tokens, the second step across shards
+    (loader,) = loaders_for(pattern, 1, B, align_to_bos=False)
+    take_step([loader])
+    assert loader.state_dict() == {"shard": 0, "position": B * T, "epoch": 0}  # B*T tokens left
+    with pytest.raises(DataExhausted, match=r"hold 256 tokens and one optimizer step takes --batch_size=8 x "
+                                            r"--seq_len=16 = 128.*--num_iterations"):
+        take_step([loader])
+    assert loader.state_dict() == {"shard": 0, "position": B * T, "epoch": 0}
+
+
+def test_first_shard_of_exactly_one_step_is_accepted(tmp_path):
+    """The constructor refuses a first shard too small for one optimizer step; B*T + 1 tokens is exactly one step,
+    so it is accepted and yields that step, while one token fewer is refused."""
+    stream, pattern = write_shards(tmp_path, sizes=(B * T + 1,))
+    (loader,) = loaders_for(pattern, 1, B, align_to_bos=False)
+    np.testing.assert_array_equal(take_step([loader]), reference_steps(stream, 1, False)[0])
+    assert loader.state_dict() == {"shard": 0, "position": B * T, "epoch": 0}
+    (tmp_path / "short").mkdir()
+    _, short = write_shards(tmp_path / "short", sizes=(B * T,))
+    with pytest.raises(ValueError, match=r"holds 128 tokens, fewer than .* \+ 1 = 129"):
+        loaders_for(short, 1, B, align_to_bos=False)
+
+
 def test_constructor_errors_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"--train_files='.*nothing_\*.bin'.*cached_fineweb10B.py"):
         TrainLoader(str(tmp_path / "nothing_*.bin"), seq_len=T, batch_size=B, device_batch_size=1, rank=0,

@@ -3,6 +3,7 @@ import glob
 import gzip
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -259,3 +260,42 @@ def test_a_missing_sample_corpus_names_the_fix(tmp_path, monkeypatch):
     with pytest.raises(PrepareError, match=r"the sample corpus \(\*.jsonl.gz\) is missing from .*: restore it with "
                                            r"`git checkout -- data/sample`"):
         ensure_sample_shards()
+
+
+def test_empty_jsonl_texts_are_not_documents(tmp_path):
+    """A {"text": ""} line (common in scraped dumps) holds no document: it must add neither a document to the count
+    nor a lone BOS to the stream, which would teach the model that documents can be empty."""
+    lines = [{"text": "the first real document"}, {"text": "", "id": 7}, {"text": "the second real document"}]
+    (tmp_path / "with").mkdir()
+    (tmp_path / "without").mkdir()
+    (tmp_path / "with" / "a.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / "without" / "a.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines if line["text"]))
+    with_empty = prepare([tmp_path / "with"], tmp_path / "out_with", val_tokens=3, workers=1)
+    without = prepare([tmp_path / "without"], tmp_path / "out_without", val_tokens=3, workers=1)
+    assert with_empty["documents"] == without["documents"] == 2
+    assert with_empty["tokens"] == without["tokens"] == len(reference_stream(["the first real document",
+                                                                             "the second real document"]))
+    np.testing.assert_array_equal(read_all(with_empty["shards"]), read_all(without["shards"]))
+
+
+def test_changed_sample_bytes_make_a_new_shard_folder(tmp_path, monkeypatch):
+    """The sample's shard folder is named by a hash of its files' names and bytes: an updated sample under the same
+    file names must be re-tokenized, not served from the stale shards of the old one. A tiny stand-in corpus keeps
+    this fast."""
+    import data.prepare
+
+    corpus = tmp_path / "sample"
+    corpus.mkdir()
+    for name, text in (("a.jsonl.gz", "alpha document text"), ("b.jsonl.gz", "beta document text")):
+        (corpus / name).write_bytes(gzip.compress(json.dumps({"text": text}).encode() + b"\n"))
+    monkeypatch.setattr(data.prepare, "SAMPLE_DIR", corpus)
+    monkeypatch.setattr(data.prepare, "SAMPLE_VAL_TOKENS", 3)  # the stand-in has ~10 tokens, not ~1.5M
+    old_train, _ = ensure_sample_shards(tmp_path / "shards")
+    (corpus / "b.jsonl.gz").write_bytes(gzip.compress(json.dumps({"text": "beta, revised"}).encode() + b"\n"))
+    new_train, _ = ensure_sample_shards(tmp_path / "shards")
+    assert new_train != old_train
+    assert len(list((tmp_path / "shards").iterdir())) == 2  # the old folder and the new one, nothing half-made
+    stream = reference_stream(["alpha document text", "beta, revised"])
+    folder = Path(new_train).parent
+    shards = [folder / "sample_val_000000.bin", folder / "sample_train_000001.bin"]
+    np.testing.assert_array_equal(read_all(shards), stream)  # the revised text, not the stale one

@@ -55,11 +55,15 @@ def test_attention_window_grows_in_whole_blocks_from_min_to_max():
     (lambda: lr_multiplier(0, 10, -0.1), "--cooldown_frac"),
     (lambda: lr_multiplier(0, 0, 0.5), "--num_iterations"),
     (lambda: lr_multiplier(0, 10, 0.5, final_frac=2.0), "--final_lr_frac"),
+    (lambda: lr_multiplier(0, 10, 0.5, final_frac=-0.1), "--final_lr_frac"),  # would end the cooldown below 0
     (lambda: muon_momentum(0, warmup_steps=-1), "--momentum_warmup_steps"),
     (lambda: muon_momentum(0, start=1.0), "--momentum_start"),
     (lambda: muon_momentum(0, end=-0.5), "--momentum_end"),
+    (lambda: muon_momentum(0, end=1.0), "--momentum_end"),  # momentum 1 never forgets: the range is [0, 1)
+    (lambda: muon_momentum(0, end=1.5), "--momentum_end"),
     (lambda: attention_window(0, 10, 100, 256, 128), "--window_min_tokens"),
     (lambda: attention_window(0, 10, 128, 300, 128), "--window_max_tokens"),
+    (lambda: attention_window(0, 10, 0, 256, 128), "--window_min_tokens"),  # 0 is a multiple, but no window
     (lambda: attention_window(0, 10, 512, 256, 128), "--window_min_tokens"),
     (lambda: attention_window(0, 0, 128, 256, 128), "--num_iterations"),
 ])

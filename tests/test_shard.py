@@ -1,4 +1,6 @@
 """data.shard: the llm.c / speedrun .bin layout byte for byte, and a clear error for every bad file."""
+import os
+
 import numpy as np
 import pytest
 
@@ -19,6 +21,17 @@ def test_round_trip_and_exact_layout(tmp_path):
     assert loaded.dtype == np.uint16
     np.testing.assert_array_equal(loaded, tokens)
     assert [p.name for p in tmp_path.iterdir()] == ["a.bin"]  # no temporary file left behind
+
+
+def test_written_shards_are_world_readable_whatever_the_umask(tmp_path):
+    """write_shard goes through mkstemp, which creates files 0600: without the explicit chmod, shards written by
+    one user (or a root container) could not be read by the training processes of another."""
+    previous = os.umask(0o077)  # the most restrictive common umask: it alone would also give 0600
+    try:
+        write_shard(tmp_path / "a.bin", np.array([BOS_ID, 1, 2], dtype=np.uint16))
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "a.bin").stat().st_mode & 0o777 == 0o644
 
 
 def test_empty_shard(tmp_path):
