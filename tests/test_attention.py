@@ -89,13 +89,16 @@ def test_block_mask_equals_dense_mask(window):
     assert torch.equal(materialise(mask), dense)
     # Full blocks must be exactly the off-diagonal tiles that are entirely allowed: none missed (speed), none
     # wrong (the kernel skips mask_mod there, which the equality above already covers).
-    tiles = dense[:, 0].unflatten(1, (T // BLOCK, BLOCK)).unflatten(3, (T // BLOCK, BLOCK)).all(dim=(2, 4))
-    tiles &= ~torch.eye(T // BLOCK, dtype=torch.bool)
-    full = torch.zeros_like(tiles)
+    by_tile = dense[:, 0].unflatten(1, (T // BLOCK, BLOCK)).unflatten(3, (T // BLOCK, BLOCK))
+    tiles = by_tile.all(dim=(2, 4)) & ~torch.eye(T // BLOCK, dtype=torch.bool)
+    full, partial = torch.zeros_like(tiles), torch.zeros_like(tiles)
     for b in range(4):
         for q in range(T // BLOCK):
             full[b, q, mask.full_kv_indices[b, 0, q, : mask.full_kv_num_blocks[b, 0, q]].long()] = True
+            partial[b, q, mask.kv_indices[b, 0, q, : mask.kv_num_blocks[b, 0, q]].long()] = True
     assert torch.equal(full, tiles)
+    # Partial blocks run mask_mod on every pair (speed): none may be listed where no token may attend
+    assert not (partial & ~by_tile.any(dim=(2, 4))).any()
     if window >= 2 * BLOCK:
         assert full[2].any()  # the one-document row has mask-free blocks once the window spans two blocks
     # the window's edge never cuts a block: in the one-document row only the diagonal goes through mask_mod

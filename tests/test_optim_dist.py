@@ -49,10 +49,18 @@ def global_batch(step):
 
 def train(rank, world_size, normuon_beta2):
     """STEPS optimizer steps on this rank's contiguous slice of each global batch; returns the parameters,
-    the last step's gradients (which the optimizer leaves averaged over ranks) and the optimizer's state."""
+    the last step's gradients (which the optimizer leaves averaged over ranks), the optimizer's state, and how many
+    matrices each of this rank's Newton–Schulz calls took."""
     torch.manual_seed(0)
     model = Tiny()
     opt = MuonAdam(model.param_groups(), lr=LR, rank=rank, world_size=world_size, normuon_beta2=normuon_beta2)
+    orthogonalize, matrices = opt._orthogonalize, []
+
+    def counting(stack):
+        matrices.append(len(stack))
+        return orthogonalize(stack)
+
+    opt._orthogonalize = counting
     rows = BATCH // world_size
     for step in range(STEPS):
         opt.zero_grad()
@@ -61,7 +69,7 @@ def train(rank, world_size, normuon_beta2):
         model(inputs[rank * rows:(rank + 1) * rows], targets[rank * rows:(rank + 1) * rows]).backward()
         opt.step(1.0 - 0.5 * step, 0.85 + 0.05 * step)
     return ([p.detach().clone() for p in model.parameters()], [p.grad.clone() for p in model.parameters()],
-            opt.state_dict()["groups"]["hidden"])
+            opt.state_dict()["groups"]["hidden"], matrices)
 
 
 def rank_main(rank, world_size, store, out_dir, normuon_beta2):
@@ -79,9 +87,11 @@ def test_two_gloo_ranks_match_one_process_on_the_global_batch(tmp_path, normuon_
     # fork the same way, and rank_main limits each child to one thread.
     mp.start_processes(rank_main, args=(2, str(tmp_path / "store"), str(tmp_path), normuon_beta2), nprocs=2,
                        join=True, start_method="fork")
-    reference, reference_grads, reference_state = train(rank=0, world_size=1, normuon_beta2=normuon_beta2)
-    rank0, grads0, state0 = torch.load(tmp_path / "rank0.pt")
-    rank1, _, state1 = torch.load(tmp_path / "rank1.pt")
+    reference, reference_grads, reference_state, matrices = train(rank=0, world_size=1, normuon_beta2=normuon_beta2)
+    rank0, grads0, state0, matrices0 = torch.load(tmp_path / "rank0.pt")
+    rank1, _, state1, matrices1 = torch.load(tmp_path / "rank1.pt")
+    # the work is split: of the buckets of 3, 1 and 1 matrices each rank orthogonalises 2, 1 and 1 (rank-padded)
+    assert matrices == [3, 1, 1] * STEPS and matrices0 == matrices1 == [2, 1, 1] * STEPS
     assert set(state0) == ({"momentum", "second_moment"} if normuon_beta2 else {"momentum"})
     for key in state0:  # replicated: equal on both ranks, and (up to rounding, as below) the one process's
         for a, b, ref in zip(state0[key], state1[key], reference_state[key], strict=True):
