@@ -82,6 +82,5 @@ def parse_config(cls, argv: list[str], presets: dict[str, dict]):
     if preset not in presets:
         raise UserError(f"--preset {preset!r} is not a preset; choose one of: {', '.join(presets)}")
     values = dict(presets[preset])
-    values.update({name: _convert(name, types[name], text) for name, text in given.items()})
-    values["preset"] = preset
+    values.update({name: _convert(name, types[name], text) for name, text in given.items()})  # --preset included
     return cls(**values)

@@ -129,3 +129,15 @@ def test_record_attention_cut_only_at_the_records_depth(num_layers, cut):
     assert model_config(cfg).no_attention_layers == cut
     named = parse_config(TrainConfig, [f"--num_layers={num_layers}", "--no_attention_layers=7"], PRESETS)
     assert model_config(named).no_attention_layers == (7,)
+
+
+def test_flags_reach_the_config_and_the_model():
+    """Booleans in any case, the preset's own name kept in the config (the log and resume's advice read it), and the
+    flags that switch model parts on reaching GPTConfig (dropped there, they would train the plain model silently)."""
+    cfg = parse_config(TrainConfig, ["--preset=smoke", "--compile=TRUE", "--attn_gate=False", "--smear=Yes",
+                                     "--backout=1", "--value_residual=true"], PRESETS)
+    assert (cfg.preset, cfg.compile, cfg.attn_gate) == ("smoke", True, False)
+    model = model_config(cfg)
+    assert (model.smear, model.backout, model.value_residual, model.attn_gate) == (True, True, True, False)
+    with pytest.raises(ValueError, match=r"--log_every=0 must be positive"):  # the loop divides by it
+        derive(TrainConfig(log_every=0), world_size=1)

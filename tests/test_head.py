@@ -190,3 +190,13 @@ def test_bounded_logsumexp_equals_logsumexp_at_the_extremes():
     z = torch.cat([capped(100 * torch.randn(6, 50304), SOFTCAP), torch.full((1, 50304), -SOFTCAP),
                    torch.full((1, 50304), SOFTCAP)])
     torch.testing.assert_close(bounded_logsumexp(z, SOFTCAP), torch.logsumexp(z, dim=-1), rtol=1e-6, atol=1e-5)
+
+
+def test_fp8_backward_of_an_all_ignored_batch_is_zero():
+    """A micro-batch whose targets are all ignored sends a zero upstream gradient: the FP8 backward's rescaling by
+    the largest |grad| must not turn that into 0/0 = nan gradients."""
+    x, w, targets = problem(n=64, d=64, v=256, dtype=torch.bfloat16)
+    x.requires_grad_()
+    w = w.float().requires_grad_()
+    fused(True)(x, w, torch.full_like(targets, IGNORE_INDEX)).sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(w.grad, torch.zeros_like(w))

@@ -17,7 +17,7 @@ from model import gpt as gpt_module
 from model.attention import short_window
 from helpers import recorded_compile
 from model.gpt import GPT, GPTConfig, flops_per_token, mean_context, receptive_field
-from model.layers import add_all, smear
+from model.layers import add_all, apply_rotary, rotary_tables, smear
 
 BOS = 0
 TINY = GPTConfig(vocab_size=256, num_layers=4, model_dim=64, num_heads=2, head_dim=32, num_value_embeds=1,
@@ -213,6 +213,13 @@ def test_user_errors():
     with pytest.raises(ValueError, match=r"num_value_embeds=3 must be between 0 and num_layers // 2 = 2: .*; try "
                                          r"num_value_embeds=2$"):
         GPTConfig(num_layers=4, num_value_embeds=3)
+    for bad, words in (({"num_layers": 0}, "num_layers=0 must be positive"),
+                       ({"model_dim": 0}, "model_dim=0 must be positive"),
+                       ({"head_dim": 6}, "head_dim=6 must be a multiple of 4"),
+                       ({"bos_id": 50304}, "bos_id=50304 must be a token id below vocab_size=50304"),
+                       ({"short_window_layers": (12,)}, r"short_window_layers=\(12,\) must be layer indices")):
+        with pytest.raises(ValueError, match=words):
+            GPTConfig(**bad)
     for cap in (0.0, -1.0, math.inf, math.nan):  # nan would pass a plain `<= 0` test and poison the loss
         with pytest.raises(ValueError, match=r"logit_softcap=.* must be a positive finite number"):
             GPTConfig(logit_softcap=cap)
@@ -556,3 +563,19 @@ def test_routed_gradients_equal_plain_autograd(monkeypatch):
     for name, grad in plain.items():
         torch.testing.assert_close(routed[name], grad, rtol=1e-5, atol=1e-6, msg=name)
     assert all(emb.weight.grad.abs().sum() > 0 for emb in (model.embed, *model.value_embeds))
+
+
+def test_rotary_scores_depend_on_the_offset_only():
+    """RoPE's point: q·k after the rotation depends on the two positions only through their offset, and the rotation
+    keeps each vector's norm. Half the pairs (frequency 0) do not turn at all."""
+    torch.manual_seed(0)
+    T, head_dim = 24, 16
+    cos, sin = rotary_tables(T, head_dim, 1024.0, torch.device("cpu"))
+    q, k = torch.randn(head_dim, dtype=torch.float64), torch.randn(head_dim, dtype=torch.float64)
+    q_T, k_T = (apply_rotary(v.float().expand(1, T, 1, head_dim), cos, sin)[0, :, 0].double() for v in (q, k))
+    torch.testing.assert_close(q_T.norm(dim=-1), q.norm().expand(T), rtol=1e-6, atol=0)
+    for offset in (0, 3, 10):
+        scores = (q_T[offset:] * k_T[:T - offset]).sum(-1)  # query at t + offset, key at t, for every t
+        torch.testing.assert_close(scores, scores[:1].expand_as(scores), rtol=0, atol=1e-5)
+    still = torch.cat([torch.arange(head_dim // 4, head_dim // 2), torch.arange(3 * head_dim // 4, head_dim)])
+    torch.testing.assert_close(q_T[:, still], q[still].float().double().expand(T, -1), rtol=0, atol=0)

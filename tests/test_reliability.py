@@ -484,6 +484,22 @@ def test_18b_resume_of_a_checkpoint_from_another_version(base_run, corpus, tmp_p
     assert not (tmp_path / "logs").exists()
 
 
+def test_18d_a_newer_version_field_alone_is_refused():
+    """A checkpoint whose config has a field this code lacks (a newer version's option) and none missing: it could
+    have changed the math, so it is refused like the other way round, not resumed silently."""
+    config = {"seed": 0, "lr_hidden": 0.05}
+    assert checkpoint.config_diff(config, config, set(), "c.pt") == []
+    with pytest.raises(UserError, match=r"its config has unknown new_option\); resume it with that version"):
+        checkpoint.config_diff({**config, "new_option": 1}, config, set(), "c.pt")
+
+
+def test_checkpoints_are_pruned_to_the_newest_two(tmp_path):
+    """Each save keeps the newest and one spare: a long run must not fill the disk with full checkpoints."""
+    for step in (1, 2, 3):
+        checkpoint.save_checkpoint(checkpoint.checkpoint_path(tmp_path, step), {"step": step})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000002.pt", "ckpt_000003.pt"]
+
+
 # A child that writes half of a checkpoint and dies like SIGKILL would leave it: no finally, no cleanup.
 KILLED_MID_WRITE = """
 import io, os, sys, torch
