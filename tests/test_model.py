@@ -579,3 +579,21 @@ def test_rotary_scores_depend_on_the_offset_only():
         torch.testing.assert_close(scores, scores[:1].expand_as(scores), rtol=0, atol=1e-5)
     still = torch.cat([torch.arange(head_dim // 4, head_dim // 2), torch.arange(3 * head_dim // 4, head_dim)])
     torch.testing.assert_close(q_T[:, still], q[still].float().double().expand(T, -1), rtol=0, atol=0)
+
+
+def test_unet_skips_pair_block_i_with_block_l_minus_1_minus_i():
+    """The second half's blocks read the stream plus the mirrored first-half block's output times its own skip weight:
+    block 2 of 4 adds block 1's output times skip_weights[0], block 3 adds block 0's times skip_weights[1]. At init
+    every block is the identity and the weights are 1, so only random weights tell the pairs apart."""
+    model = tiny_model(TINY, random=True)
+    inputs, outputs = {}, {}
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda _, args, i=i: inputs.__setitem__(i, args[0].detach()))
+        block.register_forward_hook(lambda _, args, out, i=i: outputs.__setitem__(i, out[0].detach()))
+    with torch.no_grad():
+        model(*batch(), torch.tensor(64))
+    w = model.skip_weights.detach()
+    assert not torch.equal(w[0], w[1])
+    torch.testing.assert_close(inputs[1], outputs[0], rtol=0, atol=0)  # first half: no skip
+    torch.testing.assert_close(inputs[2], outputs[1] + w[0] * outputs[1])
+    torch.testing.assert_close(inputs[3], outputs[2] + w[1] * outputs[0])
