@@ -58,7 +58,6 @@ class TrainConfig:
     vocab_size: int = 50304  # GPT-2's 50,257 padded to a multiple of 128 for fast matmuls
     num_value_embeds: int = 3  # value embeddings shared by the first and last 3 layers (record #28); 0 = off
     no_mlp_layers: str = ""  # comma-separated layers without an MLP, e.g. "0"; "" = none (record #28 keeps all)
-    # auto: record #28 cut layer 7's attention at its 12 layers; other depths keep every block
     no_attention_layers: str = "auto"  # comma-separated layers without attention; "" = none; auto = 7 at 12 layers
     value_residual: bool = False  # mix layer 0's values into every later layer's (Zhou et al. 2024); not in #28
     attn_gate: bool = True  # per-head sigmoid gate on the attention output (record #28's sparse attention gate)
