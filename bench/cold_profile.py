@@ -8,7 +8,7 @@ py-spy is not a dependency: its wheel holds one static binary, carried to the GP
 process's main thread and its autograd thread (which runs the backward, and so compiles the backward graphs), each
 row is the seconds of samples whose stack holds that frame; rows overlap (a compile inside a step counts in both).
 Then the compile seconds of each thread by the line of our code that called the compiled function (dynamo's
-_compile, and the autograd thread's backward compile), and for inductor's compile workers, the seconds they spent
+_compile, and the autograd thread's backward compile) and train_gpt2.py's line that led there, and for inductor's compile workers, the seconds they spent
 compiling Triton kernels and the longest single stretch.
 """
 import argparse
@@ -43,6 +43,10 @@ def thread_rows(profile: dict, frames: list[dict]) -> dict[str, float]:
     return totals
 
 
+def where(frame: dict, repo: str) -> str:
+    return f"{frame['name']} ({frame['file'][len(repo):]}:{frame.get('line')})"
+
+
 def compile_callers(profile: dict, frames: list[dict], repo: str) -> collections.Counter:
     """Compile seconds by (compile frame, the innermost frame of our code above it)."""
     callers = collections.Counter()
@@ -52,7 +56,11 @@ def compile_callers(profile: dict, frames: list[dict], repo: str) -> collections
         if at is None:
             continue
         ours = [frames[i] for i in stack[:at] if frames[i].get("file", "").startswith(repo)]
-        caller = f"{ours[-1]['name']} ({ours[-1]['file'][len(repo):]}:{ours[-1].get('line')})" if ours else "-"
+        caller = where(ours[-1], repo) if ours else "-"
+        # the trainer's own line tells a training step's compile from the validation batch's
+        trainer = [f for f in ours if f["file"].endswith("/train_gpt2.py")]
+        if trainer and trainer[-1] is not ours[-1]:
+            caller += f" in {where(trainer[-1], repo)}"
         callers[(names[at], caller)] += seconds
     return callers
 

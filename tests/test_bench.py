@@ -309,3 +309,23 @@ def test_cold_profile_names_what_it_reads(tmp_path, monkeypatch, capsys):
             cold_profile.main()
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and message in err, err
+
+
+def test_cold_profile_splits_compile_seconds_by_caller():
+    """Compile seconds go to the innermost frame of our code above dynamo's _compile, and to train_gpt2.py's line
+    that led there, so the validation batch's compile of a block is told from a training step's."""
+    from bench import cold_profile
+
+    repo = "/r/"
+    frames = [{"name": "train", "file": "/r/train_gpt2.py", "line": 447},
+              {"name": "train_step", "file": "/r/train_gpt2.py", "line": 421},
+              {"name": "GPT.hidden_states", "file": "/r/model/gpt.py", "line": 270},
+              {"name": "_compile", "file": "/venv/torch/_dynamo/convert_frame.py", "line": 1},
+              {"name": "MuonAdam.step", "file": "/r/optim/optimizer.py", "line": 146},
+              {"name": "compile_fx_inner", "file": "/venv/torch/_inductor/compile_fx.py", "line": 2}]
+    profile = {"samples": [[0, 2, 3, 5], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 4, 3], [0, 1, 2]],
+               "weights": [0.5, 0.25, 0.25, 2.0, 9.0]}
+    assert cold_profile.compile_callers(profile, frames, repo) == {
+        ("_compile", "GPT.hidden_states (model/gpt.py:270) in train (train_gpt2.py:447)"): 0.5,
+        ("_compile", "GPT.hidden_states (model/gpt.py:270) in train_step (train_gpt2.py:421)"): 0.5,
+        ("_compile", "MuonAdam.step (optim/optimizer.py:146) in train_step (train_gpt2.py:421)"): 2.0}
