@@ -428,11 +428,20 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
         optimizer.zero_grad()
         return loss_sum
 
-    @torch.no_grad()
+    # Compiled, validation runs with autograd on, so that it reuses the training graphs (all but the head's, for the
+    # sum): under no_grad dynamo compiles every region again, for inference, 4.8 s of a strictly cold start on the
+    # H200 (bench/results/cold_profile_1xH200_4bf3998_one_graph_optimizer.txt). Each micro-batch's autograd graph
+    # is freed with its loss. Eager runs keep no_grad, which keeps no activations.
+    val_with_grad = cfg.compile
+
+    def val_loss_sum(inputs: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
+        with torch.set_grad_enabled(val_with_grad):
+            return model(inputs, targets, window_at(step), reduction="sum").detach()
+
     def validate(step: int) -> float:
         total = torch.zeros((), device=device, dtype=torch.float64)
         for inputs, targets in val_loader:
-            total += model(inputs, targets, window_at(step), reduction="sum")
+            total += val_loss_sum(inputs, targets, step)
         return dist.all_ranks_sum(total.item(), rt) / cfg.val_tokens
 
     # ----------------------------------------------------------------------------------------------
@@ -442,9 +451,7 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
         t0 = time.perf_counter()
         for step in range(cfg.warmup_steps):
             train_step(min(step, cfg.num_iterations))  # a run shorter than the warm-up repeats its last schedule
-        with torch.no_grad():
-            inputs, targets = next(iter(val_loader))
-            model(inputs, targets, window_at(0), reduction="sum")  # compiles the validation graph too
+        val_loss_sum(*next(iter(val_loader)), 0)  # compiles what validation needs beyond the training graphs
         if cuda:
             torch.cuda.synchronize()
         model.load_state_dict(initial_weights)

@@ -491,6 +491,18 @@ def test_compiled_regions_compile_one_graph_per_block_pattern(parts, graphs):
     assert len(blocks) == graphs
 
 
+def test_validation_with_autograd_on_reuses_the_training_graphs():
+    """train_gpt2 validates a compiled model with autograd on: after a training step, a validation batch then
+    compiles only the head's graph for the sum (under no_grad it compiles every region again, as above)."""
+    model = tiny_model(dataclasses.replace(TINY, num_layers=4, num_value_embeds=2))
+    inputs, targets = batch()
+    with recorded_compile(model) as traced:
+        model(inputs, targets, torch.tensor(T)).backward()
+        trained = len(traced)
+        model(inputs, targets, torch.tensor(T), reduction="sum").detach()
+        assert len(traced) == trained + 1 and "sum" in traced[-1].code
+
+
 class ZeroFills(TorchDispatchMode):
     """Records the shape of every tensor that an op creates filled with zeros."""
 
