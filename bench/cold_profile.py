@@ -8,8 +8,8 @@ py-spy is not a dependency: its wheel holds one static binary, carried to the GP
 process's main thread and its autograd thread (which runs the backward, and so compiles the backward graphs), each
 row is the seconds of samples whose stack holds that frame; rows overlap (a compile inside a step counts in both).
 Then the compile seconds of each thread by the line of our code that called the compiled function (dynamo's
-_compile, and the autograd thread's backward compile) and train_gpt2.py's line that led there, and for inductor's compile workers, the seconds they spent
-compiling Triton kernels and the longest single stretch.
+_compile, and the autograd thread's backward compile) and train_gpt2.py's line that led there, and for inductor's
+compile workers, the seconds they spent compiling Triton kernels and the longest single stretch.
 """
 import argparse
 import collections
