@@ -429,9 +429,11 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
         return loss_sum
 
     # Compiled, validation runs with autograd on, so that it reuses the training graphs (all but the head's, for the
-    # sum): under no_grad dynamo compiles every region again, for inference, 4.8 s of a strictly cold start on the
-    # H200 (bench/results/cold_profile_1xH200_4bf3998_one_graph_optimizer.txt). Each micro-batch's autograd graph
-    # is freed with its loss. Eager runs keep no_grad, which keeps no activations.
+    # sum). Under no_grad dynamo compiles every region again, for inference: on the H200 that took 4.8 s of a strictly
+    # cold start (bench/results/cold_profile_1xH200_4bf3998_one_graph_optimizer.txt), and a strictly cold start went
+    # from 70.8 to 65.8 s. The price: 27.5-31.5 ms per validation micro-batch against 24.8-25.7, about 1 s per
+    # validation of 10.5M tokens, at a peak (21.5 GiB) below training's (bench/results/README.md, 795b0c1). Each
+    # micro-batch's autograd graph is freed with its loss. Eager runs keep no_grad, which keeps no activations.
     val_with_grad = cfg.compile
 
     def val_loss_sum(inputs: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:

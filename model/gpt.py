@@ -185,7 +185,7 @@ class GPT(nn.Module):
         compilation); kwargs go to torch.compile. Compiled, the four lookups and their casts are one kernel."""
         kwargs = {"dynamic": False, "fullgraph": True} | kwargs
         # All blocks share Block.forward, and dynamo's recompile limit (8) counts its graphs: one per presence
-        # pattern of the optional inputs, for training and again under no_grad for validation. A layer is at most
+        # pattern of the optional inputs, for training and again under no_grad (an evaluation). A layer is at most
         # one pattern, so two graphs per layer always suffice, whatever inputs a block may go without.
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, 2 * self.config.num_layers)
