@@ -41,8 +41,6 @@ imports it only where triton is installed, and with TRITON_INTERPRET=1 the kerne
 
 Shape legend: N tokens, V vocab.
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -70,9 +68,9 @@ _FORWARD_BLOCK_V, _FORWARD_WARPS = 2048, 8
 _TRANSPOSE_BLOCK_R, _TRANSPOSE_BLOCK_C, _TRANSPOSE_WARPS = 64, 128, 4
 
 
-# The interpreter (TRITON_INTERPRET=1, CPU tests) cannot run inline PTX; triton reads the same variable when it
-# decorates the kernels, so the two always agree
-_TANH_ON_MUFU = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+# The interpreter (TRITON_INTERPRET=1, CPU tests) cannot run inline PTX. triton.jit asks this knob (which reads the
+# variable) whether to interpret when it decorates the kernels, so the two always agree.
+_TANH_ON_MUFU = tl.constexpr(not triton.knobs.runtime.interpret)
 
 
 @triton.jit
