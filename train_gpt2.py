@@ -278,6 +278,23 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
                      no_attention_layers=no_attention_layers(cfg))
 
 
+def validation_loss_sum(model: GPT, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, window: torch.Tensor,
+                        compiled: bool) -> torch.Tensor:
+    """The summed loss of one validation micro-batch, with no gradient to keep.
+
+    A compiled model runs its blocks with autograd on, so that they reuse their training graphs: under no_grad dynamo
+    compiles every region again, for inference, which took 4.8 s of a strictly cold start on the H200
+    (bench/results/cold_profile_1xH200_4bf3998_one_graph_optimizer.txt); a strictly cold start went from 70.8 to
+    65.8 s. Their autograd graph is freed on return. The head runs under no_grad: its graph for the sum is new either
+    way, and without autograd it writes no gradient. The price, per 49,152-token micro-batch on one machine: 27.8-30.0
+    ms against 25.7 under no_grad (29.9-31.5 with the head's autograd too), at a peak of 19.3 GiB, below training's
+    (bench/results/README.md, 795b0c1). Eager models run all of it under no_grad, which keeps no activations."""
+    with torch.set_grad_enabled(compiled):
+        hidden_BTD = model.hidden_states(inputs_BT, window)
+    with torch.no_grad():
+        return model.head(hidden_BTD, targets_BT, "sum")
+
+
 def oom_advice(cfg: TrainConfig) -> str:
     """Flags that need less memory per GPU and still pass derive()."""
     if cfg.device_batch_size > 1:
@@ -428,17 +445,8 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
         optimizer.zero_grad()
         return loss_sum
 
-    # Compiled, validation runs with autograd on, so that it reuses the training graphs (all but the head's, for the
-    # sum). Under no_grad dynamo compiles every region again, for inference: on the H200 that took 4.8 s of a strictly
-    # cold start (bench/results/cold_profile_1xH200_4bf3998_one_graph_optimizer.txt), and a strictly cold start went
-    # from 70.8 to 65.8 s. The price: 27.5-31.5 ms per validation micro-batch against 24.8-25.7, about 1 s per
-    # validation of 10.5M tokens, at a peak (21.5 GiB) below training's (bench/results/README.md, 795b0c1). Each
-    # micro-batch's autograd graph is freed with its loss. Eager runs keep no_grad, which keeps no activations.
-    val_with_grad = cfg.compile
-
     def val_loss_sum(inputs: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
-        with torch.set_grad_enabled(val_with_grad):
-            return model(inputs, targets, window_at(step), reduction="sum").detach()
+        return validation_loss_sum(model, inputs, targets, window_at(step), compiled=cfg.compile)
 
     def validate(step: int) -> float:
         total = torch.zeros((), device=device, dtype=torch.float64)

@@ -3,8 +3,8 @@ the time per call, the peak memory, and the first call's seconds (its compile, w
 
     python -m bench.validation_modes
 
-- grad: autograd on, what train_gpt2 runs: the training graphs, and the head's graph for the sum;
-- blocks_grad: the blocks with autograd on, the head under no_grad;
+- grad: autograd on throughout: the training graphs, and the head's graph for the sum;
+- blocks_grad: the blocks with autograd on, the head under no_grad (train_gpt2.validation_loss_sum);
 - no_grad: inference graphs for every region, compiled at the first call.
 One 49,152-token sequence of random tokens with a BOS every 997 tokens, window 896, the FP8 head; the modes run in
 the order of MODES, so each mode's second pass shows its time with nothing left to compile.

@@ -491,16 +491,35 @@ def test_compiled_regions_compile_one_graph_per_block_pattern(parts, graphs):
     assert len(blocks) == graphs
 
 
-def test_validation_with_autograd_on_reuses_the_training_graphs():
-    """train_gpt2 validates a compiled model with autograd on: after a training step, a validation batch then
-    compiles only the head's graph for the sum (under no_grad it compiles every region again, as above)."""
-    model = tiny_model(dataclasses.replace(TINY, num_layers=4, num_value_embeds=2))
+@pytest.mark.parametrize("compiled", [True, False])
+def test_validation_reuses_the_training_graphs_of_a_compiled_model(compiled):
+    """train_gpt2.validation_loss_sum: for a compiled model the blocks run with autograd on, so that after a training
+    step a validation batch compiles one graph only, the head's for the sum, under no_grad. For an eager model
+    (compiled=False) everything runs under no_grad, which keeps no autograd graph and, on a compiled model, compiles
+    every region again. Either way the sum is the model's."""
+    from train_gpt2 import validation_loss_sum
+
+    model = tiny_model(dataclasses.replace(TINY, num_layers=4, num_value_embeds=2), random=True)
     inputs, targets = batch()
+    with torch.no_grad():
+        want = model(inputs, targets, torch.tensor(T), reduction="sum")
+    hidden_states, seen = model.hidden_states, []
+
+    def recording_hidden_states(*args):
+        hidden = hidden_states(*args)
+        seen.append(hidden.requires_grad)
+        return hidden
+
     with recorded_compile(model) as traced:
         model(inputs, targets, torch.tensor(T)).backward()
         trained = len(traced)
-        model(inputs, targets, torch.tensor(T), reduction="sum").detach()
-        assert len(traced) == trained + 1 and "sum" in traced[-1].code
+        model.hidden_states = recording_hidden_states
+        got = validation_loss_sum(model, inputs, targets, torch.tensor(T), compiled=compiled)
+        # compiled: the head's graph for the sum alone; under no_grad throughout, the embeddings, x0's norm, the
+        # masks, the one block pattern of this model and the head again
+        assert len(traced) - trained == (1 if compiled else 5) and "sum" in traced[-1].code
+    assert seen == [compiled] and not got.requires_grad  # the blocks' autograd graph, if any, ends before the head
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
 
 
 class ZeroFills(TorchDispatchMode):
