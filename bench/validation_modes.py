@@ -22,7 +22,7 @@ def main():
     from model.gpt import GPT
     from runtime import dist
     from runtime.run import use_static_launcher
-    from train_gpt2 import TrainConfig, model_config
+    from train_gpt2 import TrainConfig, model_config, validation_loss_sum
 
     torch.manual_seed(0)
     use_static_launcher()
@@ -40,9 +40,7 @@ def main():
 
     def validation_batch(mode: str) -> torch.Tensor:
         if mode == "blocks_grad":
-            x = model.hidden_states(inputs, window)
-            with torch.no_grad():
-                return model.head(x, targets, "sum")
+            return validation_loss_sum(model, inputs, targets, window, compiled=True)
         with torch.set_grad_enabled(mode == "grad"):
             return model(inputs, targets, window, reduction="sum").detach()
 
