@@ -513,9 +513,11 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
         if last or (cfg.val_loss_every and step % cfg.val_loss_every == 0) or step == start_step == 0:
             if cuda:
                 torch.cuda.synchronize()
-            train_time_ms += 1e3 * (time.perf_counter() - t0)
-            val_loss = validate(step)
-            log.step(step, cfg.num_iterations, train_time_ms, val_loss=val_loss)
+            t_val = time.perf_counter()
+            train_time_ms += 1e3 * (t_val - t0)
+            val_loss = validate(step)  # ends in .item(): the GPU's work is done when it returns
+            log.step(step, cfg.num_iterations, train_time_ms, val_loss=val_loss,
+                     val_time_s=time.perf_counter() - t_val)
             t0 = time.perf_counter()
         if last:
             break

@@ -101,7 +101,8 @@ def memory(lines: list[str]) -> dict:
     for line in lines:
         if line.startswith("peak memory allocated:"):
             words = line.split()
-            return {"peak_allocated_gib": round(int(words[3]) / 1024, 2), "peak_reserved_gib": round(int(words[6]) / 1024, 2)}
+            return {"peak_allocated_gib": round(int(words[3]) / 1024, 2),
+                    "peak_reserved_gib": round(int(words[6]) / 1024, 2)}
     return {}
 
 
@@ -183,7 +184,8 @@ def main():
                        "ms_per_step_stdev": round(statistics.stdev(times), 2),
                        "tokens_per_s": round(tokens_per_step / med * 1e3),
                        "mfu": round(tokens_per_step / med * 1e3 * fpt / (PEAK_BF16_FLOPS * args.nproc), 4)})
-    result["val_rows"] = [{"step": m["step"], "val_loss": m["val_loss"], "train_time_s": round(m["train_time_ms"] / 1e3, 2)}
+    result["val_rows"] = [{"step": m["step"], "val_loss": m["val_loss"],
+                           "train_time_s": round(m["train_time_ms"] / 1e3, 2), "val_wall_s": m["val_time_s"]}
                           for m in metrics if "val_loss" in m]
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

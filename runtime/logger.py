@@ -75,14 +75,19 @@ class RunLog:
         self._write_text(line)
 
     def step(self, step: int, total: int, train_time_ms: float, train_loss: float | None = None,
-             val_loss: float | None = None) -> None:
-        """One speedrun-format line plus one JSONL record; advances the bar to `step`."""
+             val_loss: float | None = None, val_time_s: float | None = None) -> None:
+        """One speedrun-format line plus one JSONL record; advances the bar to `step`. A validation's wall time
+        is not in train_time (the clock pauses for it), so it gets its own field."""
         if not self.enabled:
             return
         avg = train_time_ms / max(step, 1)
         kind, loss = ("val_loss", val_loss) if val_loss is not None else ("train_loss", train_loss)
-        self.print(f"step:{step}/{total} {kind}:{loss:.4f} train_time:{train_time_ms:.0f}ms step_avg:{avg:.2f}ms")
+        line = f"step:{step}/{total} {kind}:{loss:.4f} train_time:{train_time_ms:.0f}ms step_avg:{avg:.2f}ms"
         record = {"step": step, kind: loss, "train_time_ms": round(train_time_ms, 3), "step_avg_ms": round(avg, 3)}
+        if val_time_s is not None:
+            line += f" val_time:{val_time_s:.2f}s"
+            record["val_time_s"] = round(val_time_s, 3)
+        self.print(line)
         self.metrics.write(json.dumps(record) + "\n")
         if kind == "train_loss":
             self.bar.update(step - self.bar.n)
