@@ -28,7 +28,8 @@ from runtime import checkpoint, dist
 from runtime.cli import parse_config
 from runtime.errors import UserError, exit_on_user_error
 from runtime.logger import RunLog
-from runtime.run import StopRequest, all_finite, check_disk_space, make_run_dir, profiled, use_static_launcher
+from runtime.run import (StopRequest, all_finite, bytecode_note, check_disk_space, make_run_dir, profiled,
+                         use_static_launcher)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,6 +405,8 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
         if cuda:
             use_static_launcher()
         model.compile_regions()
+        if cuda and (note := bytecode_note(torch, sys.flags.dont_write_bytecode)):
+            log.print(note)
     initial_weights = copy.deepcopy(model.state_dict())
 
     def new_optimizer():

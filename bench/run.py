@@ -26,8 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from bench.gpu_monitor import GpuMonitor, run_gpus
 from model.gpt import GPTConfig, flops_per_token
+from runtime.run import bytecode_note
 
 REPO = Path(__file__).resolve().parent.parent
 SKIP = 5  # steps after warm-up left out of the median: the allocator and clocks are still settling
@@ -171,6 +174,7 @@ def main():
                    "compile": cfg["compile"], "val_context": val_context(lines)},
         "startup_to_warm_s": round(warm, 1) if warm else None, "wall_s": round(wall, 1),
         "compile_cache_files_at_start": cached, "strictly_cold": not any(cached.values()),
+        "torch_compiled_from_source_each_start": bytecode_note(torch, sys.flags.dont_write_bytecode) is not None,
         "warmup_line": next((l for l in lines if l.startswith("warm-up:")), None), **memory(lines),
         "gpu_monitor": monitor.summary(since_s=warm or 0.0, until_s=last_step),  # the steps after the warm-up
     }
