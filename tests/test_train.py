@@ -232,7 +232,7 @@ def test_bytecode_note_only_when_python_compiles_the_sources_at_every_start(tmp_
     spec = types.SimpleNamespace(cached=str(cached))
     pkg = types.SimpleNamespace(__name__="pkg", __file__=str(source), __spec__=spec)
     note = bytecode_note(pkg, dont_write_bytecode=True)
-    assert f"{cached} does not exist" in note and f"python -m compileall -q -j 0 {site}`" in note
+    assert f"{cached} does not exist" in note and "python -m runtime.bytecode` and keep PYTHONPYCACHEPREFIX" in note
     assert bytecode_note(pkg, dont_write_bytecode=False) is None  # this start writes it, the next reads it
     cached.parent.mkdir(parents=True)
     cached.write_bytes(b"")
