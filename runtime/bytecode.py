@@ -3,7 +3,7 @@
 Python compiles a module's source at every import when no bytecode of it is on disk and it may not write any:
 PYTHONDONTWRITEBYTECODE, which some images set, with packages installed without bytecode (uv's default). For torch
 that is paid by the trainer and by the compile workers' process at every start: 90.7 s against 77.0 s, and 86.2 s
-against 80.5 s, of strictly cold starts on two H200 machines (bench/results/README.md, bbc191b). Python still
+against 80.5 s, of strictly cold starts on two H200 machines (bench/results/README.md, 189bda3). Python still
 reads bytecode from PYTHONPYCACHEPREFIX's folder when it may not write, so run.sh points that at a cache folder
 and runs `python -m runtime.bytecode`, which fills it the first time. This module imports none of those packages.
 """
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bytecode: {written:,} Python files of the installed packages compiled into {where} in "
               f"{time.perf_counter() - t0:.1f} s, once: later starts read them", file=sys.stderr)
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
