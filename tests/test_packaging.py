@@ -196,16 +196,17 @@ def test_run_sh_skips_the_fetch_when_shards_are_present_and_honours_nproc(tmp_pa
 
 
 def test_run_sh_writes_bytecode_once_where_python_reads_it_when_it_may_not_write_it(tmp_path):
-    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, env={"NPROC": "1", "PYTHONDONTWRITEBYTECODE": "1",
-                                                        "HOME": str(tmp_path / "home")}, shards=9)
+    """Before the training, on the GPU path (own data here, so nothing is fetched)."""
+    env = {"NPROC": "1", "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(tmp_path / "home")}
+    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--train_files=t"], env=env)
     prefix = tmp_path / "home" / ".cache" / "gpt-speedrun" / "pycache"
-    assert calls == ["python -c <shards> ", f"python -m runtime.bytecode [prefix {prefix}]",
-                     f"python train_gpt2.py [prefix {prefix}]"]
+    assert calls == [f"python -m runtime.bytecode [prefix {prefix}]",
+                     f"python train_gpt2.py --train_files=t [prefix {prefix}]"]
     # a folder the user chose is kept
     (tmp_path / "b").mkdir()
-    calls = _run_sh(tmp_path / "b", NVIDIA_SMI_TWO_GPUS, env={"NPROC": "1", "PYTHONDONTWRITEBYTECODE": "1",
-                                                              "PYTHONPYCACHEPREFIX": "/mine"}, shards=9)
-    assert calls[1:] == ["python -m runtime.bytecode [prefix /mine]", "python train_gpt2.py [prefix /mine]"]
+    calls = _run_sh(tmp_path / "b", NVIDIA_SMI_TWO_GPUS, args=["--train_files=t"],
+                    env={**env, "PYTHONPYCACHEPREFIX": "/mine"})
+    assert calls == ["python -m runtime.bytecode [prefix /mine]", "python train_gpt2.py --train_files=t [prefix /mine]"]
 
 
 @pytest.mark.parametrize("nproc", ["abc", "0", "-1", "3", "1.5"])
