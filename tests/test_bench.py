@@ -226,8 +226,10 @@ def test_speedrun_on_the_cpu_writes_its_rows_and_keeps_the_run_folder(tmp_path):
     assert result["config"]["tokens_per_step"] == 2 * 256 and result["config"]["val_context"] > 0
     assert [row["step"] for row in result["val_rows"]] == [0, 2, 4]
     assert result["val_rows"][0]["val_loss"] > result["val_rows"][-1]["val_loss"] > 0
-    # each validation's wall time, which train_time leaves out: well under the whole run, and not zero
-    assert all(0 < row["val_wall_s"] < result["wall_s"] / 3 for row in result["val_rows"])
+    # each validation's wall time, which train_time leaves out: the run's wall time holds both
+    rows = result["val_rows"]
+    assert all(row["val_wall_s"] > 0 for row in rows)
+    assert sum(row["val_wall_s"] for row in rows) + rows[-1]["train_time_s"] < result["wall_s"]
     # the stand-in nvidia-smi's GPU 1, the one CUDA_VISIBLE_DEVICES gives the run, sampled up to the last step's
     # line (from the start: --warmup_steps=0 prints no warm-up line), not through the exit after it
     monitor = result["gpu_monitor"]
