@@ -27,9 +27,9 @@ from optim.schedule import attention_window, lr_multiplier, muon_momentum
 from runtime import checkpoint, dist
 from runtime.cli import parse_config
 from runtime.errors import UserError, exit_on_user_error
+from runtime.bytecode import bytecode_note
 from runtime.logger import RunLog
-from runtime.run import (StopRequest, all_finite, bytecode_note, check_disk_space, make_run_dir, profiled,
-                         use_static_launcher)
+from runtime.run import StopRequest, all_finite, check_disk_space, make_run_dir, profiled, use_static_launcher
 
 
 @dataclasses.dataclass(frozen=True)

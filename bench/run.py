@@ -30,7 +30,7 @@ import torch
 
 from bench.gpu_monitor import GpuMonitor, run_gpus
 from model.gpt import GPTConfig, flops_per_token
-from runtime.run import bytecode_note
+from runtime.bytecode import bytecode_note
 
 REPO = Path(__file__).resolve().parent.parent
 SKIP = 5  # steps after warm-up left out of the median: the allocator and clocks are still settling

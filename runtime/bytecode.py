@@ -44,6 +44,18 @@ def missing_bytecode(dists: list[md.Distribution]) -> list[str]:
     return sorted(s for s in sources if os.path.exists(s) and not os.path.exists(importlib.util.cache_from_source(s)))
 
 
+def bytecode_note(module, dont_write_bytecode: bool) -> str | None:
+    """A note when Python compiles `module`'s sources at every start: no bytecode on disk, and none to be written
+    (the trainer logs it; bench.run records it)."""
+    cached = module.__spec__.cached
+    if not dont_write_bytecode or cached is None or os.path.exists(cached):
+        return None
+    return (f"note: Python compiles {module.__name__}'s sources at every start ({cached} does not exist and "
+            f"PYTHONDONTWRITEBYTECODE is set), 6-14 s of a cold start on an H200; bash run.sh writes the bytecode "
+            f"once into a cache folder, or run `PYTHONPYCACHEPREFIX=~/.cache/gpt-speedrun/pycache python -m "
+            f"runtime.bytecode` and keep PYTHONPYCACHEPREFIX set")
+
+
 def _compile(source: str) -> bool:
     try:
         py_compile.compile(source, doraise=True)

@@ -55,18 +55,6 @@ def use_static_launcher() -> None:
     inductor_config.static_launch_user_defined_triton_kernels = os.environ[STATIC_LAUNCH_ENV] == "1"
 
 
-def bytecode_note(module, dont_write_bytecode: bool) -> str | None:
-    """A note when Python compiles `module`'s sources at every start: no bytecode on disk, and none to be written
-    (runtime/bytecode.py says when that happens and what it costs)."""
-    cached = module.__spec__.cached
-    if not dont_write_bytecode or cached is None or os.path.exists(cached):
-        return None
-    return (f"note: Python compiles {module.__name__}'s sources at every start ({cached} does not exist and "
-            f"PYTHONDONTWRITEBYTECODE is set), 6-14 s of a cold start on an H200; bash run.sh writes the bytecode "
-            f"once into a cache folder, or run `PYTHONPYCACHEPREFIX=~/.cache/gpt-speedrun/pycache python -m "
-            f"runtime.bytecode` and keep PYTHONPYCACHEPREFIX set")
-
-
 def all_finite(tensors) -> bool:
     """True when no element is inf/nan; one device sync for all the tensors."""
     return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())

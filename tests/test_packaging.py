@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -304,6 +305,21 @@ def _distribution(site, name, requires=(), sources=None):
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n"
                                    + "".join(f"Requires-Dist: {req}\n" for req in requires))
     (info / "RECORD").write_text("".join(f"{name}/{file},,\n" for file in sources))
+
+
+def test_bytecode_note_only_when_python_compiles_the_sources_at_every_start(tmp_path):
+    from runtime.bytecode import bytecode_note
+
+    site = tmp_path / "site-packages"
+    source, cached = site / "pkg" / "__init__.py", site / "pkg" / "__pycache__" / "__init__.cpython-312.pyc"
+    spec = types.SimpleNamespace(cached=str(cached))
+    pkg = types.SimpleNamespace(__name__="pkg", __file__=str(source), __spec__=spec)
+    note = bytecode_note(pkg, dont_write_bytecode=True)
+    assert f"{cached} does not exist" in note and "python -m runtime.bytecode` and keep PYTHONPYCACHEPREFIX" in note
+    assert bytecode_note(pkg, dont_write_bytecode=False) is None  # this start writes it, the next reads it
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"")
+    assert bytecode_note(pkg, dont_write_bytecode=True) is None
 
 
 def test_bytecode_of_a_distribution_and_its_requirements_is_written_once_and_read(tmp_path):

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -222,21 +221,6 @@ def test_logged_commit_prefers_the_environment(monkeypatch):
     except OSError:
         head = ""
     assert versions(torch.device("cpu"))["git_commit"] == (head if len(head) == 40 else None)
-
-
-def test_bytecode_note_only_when_python_compiles_the_sources_at_every_start(tmp_path):
-    from runtime.run import bytecode_note
-
-    site = tmp_path / "site-packages"
-    source, cached = site / "pkg" / "__init__.py", site / "pkg" / "__pycache__" / "__init__.cpython-312.pyc"
-    spec = types.SimpleNamespace(cached=str(cached))
-    pkg = types.SimpleNamespace(__name__="pkg", __file__=str(source), __spec__=spec)
-    note = bytecode_note(pkg, dont_write_bytecode=True)
-    assert f"{cached} does not exist" in note and "python -m runtime.bytecode` and keep PYTHONPYCACHEPREFIX" in note
-    assert bytecode_note(pkg, dont_write_bytecode=False) is None  # this start writes it, the next reads it
-    cached.parent.mkdir(parents=True)
-    cached.write_bytes(b"")
-    assert bytecode_note(pkg, dont_write_bytecode=True) is None
 
 
 def test_static_launch_of_our_kernels_unless_the_environment_says_no(monkeypatch):
