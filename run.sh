@@ -73,7 +73,8 @@ esac
 
 # Python compiles a module's source at every start when it may not write bytecode (PYTHONDONTWRITEBYTECODE, set in
 # some images) and the packages were installed without any: 5.7-13.7 s of each cold start on an H200
-# (runtime/bytecode.py). It still reads bytecode from PYTHONPYCACHEPREFIX's folder, which is filled here once.
+# (runtime/bytecode.py). It still reads bytecode from PYTHONPYCACHEPREFIX's folder, which is filled here once
+# (bench.run does the same, with the folder of runtime.bytecode.cache_prefix).
 if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then
     export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/gpt-speedrun/pycache}"
     python -m runtime.bytecode

@@ -12,6 +12,10 @@ exactly what a user's run would show. Modes (BENCHMARKS.md):
 Both record the cold start: seconds from launch to the end of the compile warm-up, and whether it was strictly
 cold (no files in the compile caches when the run started); and the clocks, power and temperature of the GPUs it
 uses from the end of the warm-up to the last step (bench/gpu_monitor.py).
+
+Where Python may not write bytecode (PYTHONDONTWRITEBYTECODE), the harness first does what run.sh does: it writes
+the packages' bytecode into PYTHONPYCACHEPREFIX's folder (runtime/bytecode.py), and counts those seconds in the
+cold start (cold_start_s). --as_image leaves that out, to measure Python as the machine's image has it.
 """
 import argparse
 import glob
@@ -26,21 +30,37 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from bench.gpu_monitor import GpuMonitor, run_gpus
 from model.gpt import GPTConfig, flops_per_token
-from runtime.bytecode import bytecode_note
+from runtime.bytecode import cache_prefix
 
 REPO = Path(__file__).resolve().parent.parent
 SKIP = 5  # steps after warm-up left out of the median: the allocator and clocks are still settling
 TIMED = 20  # BENCHMARKS.md: the median of at least 20 steps after warm-up
 MIN_STEPS = SKIP + TIMED + 2  # the first step has no predecessor line, and one may be profiled
+BYTECODE_NOTE = "Python compiles torch's sources at every start"  # in the trainer's note (runtime.bytecode)
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16, NVIDIA datasheet (the two share the chip)
 
 
-def launch(nproc: int, train_args: list[str], log_dir: Path,
-           console: Path) -> tuple[float, float | None, float | None]:
+def bytecode_step(env: dict, console: Path, names: tuple[str, ...] = ()) -> dict:
+    """run.sh's step before the training where Python may not write bytecode: the packages' bytecode written into
+    PYTHONPYCACHEPREFIX's folder (set in `env`, as run.sh exports it), timed; its message goes to the console log."""
+    env["PYTHONPYCACHEPREFIX"] = cache_prefix(env)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "runtime.bytecode", *names], cwd=REPO, env=env,
+                          capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    with open(console, "w") as out:
+        out.write(proc.stdout + proc.stderr)
+    if proc.returncode:
+        sys.exit(f"python -m runtime.bytecode failed with status {proc.returncode}; see {console}")
+    written = re.search(r"bytecode: ([\d,]+) Python files", proc.stderr)
+    return {"ran": True, "prefix": env["PYTHONPYCACHEPREFIX"], "seconds": round(seconds, 1),
+            "files_written": int(written.group(1).replace(",", "")) if written else 0}
+
+
+def launch(nproc: int, train_args: list[str], log_dir: Path, console: Path,
+           env: dict) -> tuple[float, float | None, float | None]:
     """Run train_gpt2.py; returns (wall seconds, seconds until the warm-up line appeared, seconds until the last step's
     line appeared, train or validation)."""
     if nproc > 1:
@@ -49,9 +69,9 @@ def launch(nproc: int, train_args: list[str], log_dir: Path,
         cmd = [sys.executable, "train_gpt2.py"]
     cmd += train_args + [f"--log_dir={log_dir}"]
     t0, warm, last_step = time.perf_counter(), None, None
-    with open(console, "w") as out:
+    with open(console, "a") as out:  # after the bytecode step's lines
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**env, "PYTHONUNBUFFERED": "1"})
         for line in proc.stdout:
             out.write(line)
             out.flush()  # a run killed by a time limit still leaves its log
@@ -116,6 +136,9 @@ def main():
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--steps", type=int, default=40, help=f"throughput: steps to run (>= {MIN_STEPS})")
+    ap.add_argument("--as_image", action="store_true",
+                    help="skip run.sh's bytecode step: where Python may not write bytecode and the packages have "
+                         "none, every process then compiles torch's sources again")
     ap.add_argument("--keep", default="", help="copy the run folder (log, metrics, checkpoints, profiler trace) here; "
                                                "it is deleted otherwise")
     argv = sys.argv[1:]
@@ -153,9 +176,17 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         log_dir = Path(tmp) / "logs"
         console = Path(args.out).with_suffix(".console.txt")
+        console.write_text("")
         cached = compile_cache_files()
+        env = dict(os.environ)
+        if not env.get("PYTHONDONTWRITEBYTECODE"):
+            bytecode = {"ran": False, "why": "Python writes bytecode as it imports (PYTHONDONTWRITEBYTECODE unset)"}
+        elif args.as_image:
+            bytecode = {"ran": False, "why": "--as_image"}
+        else:
+            bytecode = bytecode_step(env, console)
         with GpuMonitor(gpus=run_gpus(args.nproc)) as monitor:
-            wall, warm, last_step = launch(args.nproc, data + mode_args + args.train_args, log_dir, console)
+            wall, warm, last_step = launch(args.nproc, data + mode_args + args.train_args, log_dir, console, env)
         head, metrics, lines = read_run(log_dir)
         for table in log_dir.glob("*/profile_step*.txt"):  # a --profile_step run's kernel table
             shutil.copy(table, Path(args.out).with_suffix(f".{table.stem}.txt"))
@@ -173,8 +204,9 @@ def main():
                    "seq_len": cfg["seq_len"], "window_tokens": [cfg["window_min_tokens"], cfg["window_max_tokens"]],
                    "compile": cfg["compile"], "val_context": val_context(lines)},
         "startup_to_warm_s": round(warm, 1) if warm else None, "wall_s": round(wall, 1),
+        "cold_start_s": round(warm + bytecode.get("seconds", 0.0), 1) if warm else None, "bytecode_step": bytecode,
         "compile_cache_files_at_start": cached, "strictly_cold": not any(cached.values()),
-        "torch_compiled_from_source_each_start": bytecode_note(torch, sys.flags.dont_write_bytecode) is not None,
+        "torch_compiled_from_source_each_start": any(BYTECODE_NOTE in line for line in lines),
         "warmup_line": next((l for l in lines if l.startswith("warm-up:")), None), **memory(lines),
         "gpu_monitor": monitor.summary(since_s=warm or 0.0, until_s=last_step),  # the steps after the warm-up
     }

@@ -44,6 +44,12 @@ def missing_bytecode(dists: list[md.Distribution]) -> list[str]:
     return sorted(s for s in sources if os.path.exists(s) and not os.path.exists(importlib.util.cache_from_source(s)))
 
 
+def cache_prefix(environ) -> str:
+    """The folder run.sh points PYTHONPYCACHEPREFIX at: the user's, or gpt-speedrun's under their cache folder."""
+    cache = environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME") or "/tmp", ".cache")
+    return environ.get("PYTHONPYCACHEPREFIX") or os.path.join(cache, "gpt-speedrun", "pycache")
+
+
 def bytecode_note(module, dont_write_bytecode: bool) -> str | None:
     """A note when Python compiles `module`'s sources at every start: no bytecode on disk, and none to be written
     (the trainer logs it; bench.run records it)."""

@@ -198,11 +198,18 @@ def test_run_sh_skips_the_fetch_when_shards_are_present_and_honours_nproc(tmp_pa
 
 def test_run_sh_writes_bytecode_once_where_python_reads_it_when_it_may_not_write_it(tmp_path):
     """Before the training, on the GPU path (own data here, so nothing is fetched)."""
+    from runtime.bytecode import cache_prefix
+
     env = {"NPROC": "1", "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(tmp_path / "home")}
     calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--train_files=t"], env=env)
     prefix = tmp_path / "home" / ".cache" / "gpt-speedrun" / "pycache"
     assert calls == [f"python -m runtime.bytecode [prefix {prefix}]",
                      f"python train_gpt2.py --train_files=t [prefix {prefix}]"]
+    assert cache_prefix(env) == str(prefix)  # bench.run's step writes where run.sh does
+    (tmp_path / "x").mkdir()
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    calls = _run_sh(tmp_path / "x", NVIDIA_SMI_TWO_GPUS, args=["--train_files=t"], env=env)
+    assert calls[0] == f"python -m runtime.bytecode [prefix {cache_prefix(env)}]" and "/xdg/gpt-speedrun/" in calls[0]
     # a folder the user chose is kept
     (tmp_path / "b").mkdir()
     calls = _run_sh(tmp_path / "b", NVIDIA_SMI_TWO_GPUS, args=["--train_files=t"],
@@ -308,14 +315,16 @@ def _distribution(site, name, requires=(), sources=None):
 
 
 def test_bytecode_note_only_when_python_compiles_the_sources_at_every_start(tmp_path):
+    from bench.run import BYTECODE_NOTE
     from runtime.bytecode import bytecode_note
 
     site = tmp_path / "site-packages"
-    source, cached = site / "pkg" / "__init__.py", site / "pkg" / "__pycache__" / "__init__.cpython-312.pyc"
+    source, cached = site / "torch" / "__init__.py", site / "torch" / "__pycache__" / "__init__.cpython-312.pyc"
     spec = types.SimpleNamespace(cached=str(cached))
-    pkg = types.SimpleNamespace(__name__="pkg", __file__=str(source), __spec__=spec)
+    pkg = types.SimpleNamespace(__name__="torch", __file__=str(source), __spec__=spec)
     note = bytecode_note(pkg, dont_write_bytecode=True)
     assert f"{cached} does not exist" in note and "python -m runtime.bytecode` and keep PYTHONPYCACHEPREFIX" in note
+    assert BYTECODE_NOTE in note  # what bench.run looks for in the trainer's log
     assert bytecode_note(pkg, dont_write_bytecode=False) is None  # this start writes it, the next reads it
     cached.parent.mkdir(parents=True)
     cached.write_bytes(b"")
@@ -323,6 +332,7 @@ def test_bytecode_note_only_when_python_compiles_the_sources_at_every_start(tmp_
 
 
 def test_bytecode_of_a_distribution_and_its_requirements_is_written_once_and_read(tmp_path):
+    from bench.run import bytecode_step
     from runtime.bytecode import distributions
 
     site = tmp_path / "site"
@@ -336,11 +346,13 @@ def test_bytecode_of_a_distribution_and_its_requirements_is_written_once_and_rea
     prefix = tmp_path / "prefix"
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": str(prefix),
            "PYTHONPATH": f"{site}{os.pathsep}{ROOT}"}
-    run = [sys.executable, "-m", "runtime.bytecode", "top"]
-    first = subprocess.run(run, env=env, cwd=tmp_path, capture_output=True, text=True)
-    assert first.returncode == 0 and f"bytecode: 3 Python files of the installed packages compiled into {prefix}" \
-        in first.stderr, first.stderr
+    # written first by bench.run's step, as run.sh does it before a run
+    console = tmp_path / "console.txt"
+    step = bytecode_step(env, console, names=("top",))
+    assert step == {"ran": True, "prefix": str(prefix), "seconds": step["seconds"], "files_written": 3}
+    assert f"bytecode: 3 Python files of the installed packages compiled into {prefix}" in console.read_text()
     assert len(list(prefix.rglob("*.pyc"))) == 3 and not list(site.rglob("*.pyc"))  # none beside the sources
+    run = [sys.executable, "-m", "runtime.bytecode", "top"]
     again = subprocess.run(run, env=env, cwd=tmp_path, capture_output=True, text=True)
     assert again.returncode == 0 and again.stderr == ""  # filled once; the broken file is not reported again
     # an import under the same environment reads it
