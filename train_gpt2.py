@@ -25,9 +25,9 @@ from optim.muon import check_method
 from optim.optimizer import MuonAdam
 from optim.schedule import attention_window, lr_multiplier, muon_momentum
 from runtime import checkpoint, dist
+from runtime.bytecode import bytecode_note
 from runtime.cli import parse_config
 from runtime.errors import UserError, exit_on_user_error
-from runtime.bytecode import bytecode_note
 from runtime.logger import RunLog
 from runtime.run import StopRequest, all_finite, check_disk_space, make_run_dir, profiled, use_static_launcher
 

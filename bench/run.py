@@ -50,7 +50,7 @@ def bytecode_step(env: dict, console: Path, names: tuple[str, ...] = ()) -> dict
     proc = subprocess.run([sys.executable, "-m", "runtime.bytecode", *names], cwd=REPO, env=env,
                           capture_output=True, text=True)
     seconds = time.perf_counter() - t0
-    with open(console, "w") as out:
+    with open(console, "a") as out:  # main() empties it before this step or the launch writes to it
         out.write(proc.stdout + proc.stderr)
     if proc.returncode:
         sys.exit(f"python -m runtime.bytecode failed with status {proc.returncode}; see {console}")
