@@ -95,12 +95,7 @@ def main():
     ref = (u_NV.float().t() @ x_op.float()) * scale  # the same FP8 values
 
     def transpose():
-        out = torch.empty((V, N), dtype=torch.float8_e5m2, device="cuda")
-        head_kernels._transpose_kernel[(triton.cdiv(N, head_kernels._TRANSPOSE_BLOCK_R),
-                                        triton.cdiv(V, head_kernels._TRANSPOSE_BLOCK_C))](
-            u_NV, out, N, V, BLOCK_R=head_kernels._TRANSPOSE_BLOCK_R, BLOCK_C=head_kernels._TRANSPOSE_BLOCK_C,
-            num_warps=head_kernels._TRANSPOSE_WARPS)
-        return out
+        return head_kernels.transposed(u_NV)
 
     def cublas():
         return torch._scaled_mm(u_VN, xt_DN.t(), scale_a=g_scale, scale_b=x_scale, out_dtype=torch.float32)

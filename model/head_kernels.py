@@ -173,16 +173,21 @@ def loss_and_unit_grad(logits_NV: Tensor, targets_N: Tensor, softcap: float) -> 
     return _forward(logits_NV, targets_N, softcap, u_NV)[1], u_NV
 
 
+def transposed(src_RC: Tensor) -> Tensor:
+    """A new contiguous (C, R) copy of src (R, C), by _transpose_kernel at the tiles committed above."""
+    R, C = src_RC.shape
+    dst_CR = torch.empty((C, R), dtype=src_RC.dtype, device=src_RC.device)
+    grid = (triton.cdiv(R, _TRANSPOSE_BLOCK_R), triton.cdiv(C, _TRANSPOSE_BLOCK_C))
+    wrap_triton(_transpose_kernel)[grid](src_RC, dst_CR, R, C, BLOCK_R=_TRANSPOSE_BLOCK_R, BLOCK_C=_TRANSPOSE_BLOCK_C,
+                                         num_warps=_TRANSPOSE_WARPS)
+    return dst_CR
+
+
 @triton_op("speedrun::head_loss_and_unit_grad_fp8", mutates_args=())
 def loss_and_unit_grad_fp8(logits_NV: Tensor, targets_N: Tensor, softcap: float, u_scale: float
                            ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss_N, u8_NV, u8t_VN): the loss and u_scale times the unit gradient in e5m2, row-major and transposed (the
     same bits): model.head.loss_and_unit_grad_fp8."""
-    N, V = logits_NV.shape
-    u8_NV = torch.empty((N, V), dtype=torch.float8_e5m2, device=logits_NV.device)
-    u8t_VN = torch.empty((V, N), dtype=torch.float8_e5m2, device=logits_NV.device)
+    u8_NV = torch.empty(logits_NV.shape, dtype=torch.float8_e5m2, device=logits_NV.device)
     loss_N = _forward(logits_NV, targets_N, softcap, u8_NV, u_scale)[1]
-    transpose_grid = (triton.cdiv(N, _TRANSPOSE_BLOCK_R), triton.cdiv(V, _TRANSPOSE_BLOCK_C))
-    wrap_triton(_transpose_kernel)[transpose_grid](u8_NV, u8t_VN, N, V, BLOCK_R=_TRANSPOSE_BLOCK_R,
-                                                   BLOCK_C=_TRANSPOSE_BLOCK_C, num_warps=_TRANSPOSE_WARPS)
-    return loss_N, u8_NV, u8t_VN
+    return loss_N, u8_NV, transposed(u8_NV)
