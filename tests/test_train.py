@@ -44,19 +44,30 @@ def test_smoke_run_learns_within_a_minute(tmp_path):
     assert seconds < 90, f"smoke run took {seconds:.0f}s (target 60s on 2 cores; 90s leaves room for a busy CI)"
 
 
-@pytest.mark.parametrize("optimizer, golden", [
-    ("--normuon_beta2=0.95", [10.825837135314941, 10.607941627502441, 10.625894546508789, 10.43726634979248,
-                              10.290685653686523]),  # the default since 4c7dfc2
-    ("--normuon_beta2=0", [10.825837135314941, 10.607932090759277, 10.625560760498047, 10.435091018676758,
-                           10.285305976867676]),  # record #28's plain Muon: the default until 4c7dfc2
-])
-def test_golden_first_losses(tmp_path, optimizer, golden):
-    """Fixed seed, fixed data: these numbers change only when the math changes. Update them only with a
-    reason in the commit message (measured with this test's command on the 2-core CPU machine)."""
+# The first five train losses of the fixed-seed run below, one table per kind of CPU. The CPU kernels sum in an order
+# that depends on the CPU (ATen and MKL pick their vector code by it), and NorMuon's per-neuron division carries the
+# last-bit differences into the loss: the two tables differ by up to 2.1e-5 (relative) at step 5 with NorMuon and by
+# 1.9e-7 without, where a change of the math moves them much further (NorMuon against plain Muon: 2.1e-4 at step 4).
+# The first table was measured on the 2-core CI machines of 4c7dfc2; the second on an AMD EPYC whose torch uses AVX2
+# (torch.backends.cpu.get_cpu_capability()), 2026-12-02.
+GOLDEN = {
+    "--normuon_beta2=0.95": (  # the default since 4c7dfc2
+        [10.825837135314941, 10.607941627502441, 10.625894546508789, 10.43726634979248, 10.290685653686523],
+        [10.825837135314941, 10.607932090759277, 10.625862121582031, 10.43720817565918, 10.2904691696167]),
+    "--normuon_beta2=0": (  # record #28's plain Muon: the default until 4c7dfc2
+        [10.825837135314941, 10.607932090759277, 10.625560760498047, 10.435091018676758, 10.285305976867676],
+        [10.825837135314941, 10.607932090759277, 10.625560760498047, 10.435089111328125, 10.285307884216309]),
+}
+
+
+@pytest.mark.parametrize("optimizer", list(GOLDEN))
+def test_golden_first_losses(tmp_path, optimizer):
+    """Fixed seed, fixed data: these numbers change only when the math changes (or the CPU: GOLDEN). Update them
+    only with a reason in the commit message (measured with this test's command on the 2-core CPU machine)."""
     _, metrics = train(tmp_path, *TINY, "--num_iterations=5", "--val_loss_every=0", optimizer)
     got = [losses(metrics, "train_loss")[s] for s in range(1, 6)]
     # step 1 is ln(50304) (zero-initialised head); steps 2-5 carry the model, the optimizer and the data
-    assert got == pytest.approx(golden, rel=1e-5), got
+    assert any(got == pytest.approx(table, rel=1e-5) for table in GOLDEN[optimizer]), got
 
 
 def test_momentum_warmup_over_every_step_is_the_run_length(tmp_path):
