@@ -1,4 +1,5 @@
 import hashlib
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -7,6 +8,15 @@ import pytest
 import torch
 
 HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+# What run.sh sets for a CPU run (its comment says why: about 45% off each smoke-run step on a 2-core AMD EPYC);
+# the training runs the tests start get it too. tests/test_packaging.py checks that run.sh sets this value.
+CPU_MALLOC_TUNABLES = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=33554432"
+
+
+def pytest_configure(config):
+    # glibc reads it when a process starts, so it reaches the runs this process launches, not this one
+    user = os.environ.get("GLIBC_TUNABLES")
+    os.environ["GLIBC_TUNABLES"] = CPU_MALLOC_TUNABLES + (f":{user}" if user else "")
 
 
 # --- gpu marker (shell helper): skip @pytest.mark.gpu tests where CUDA is absent ------------------------

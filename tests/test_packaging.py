@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import CPU_MALLOC_TUNABLES
 from runtime.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +116,8 @@ if [ "$1" = "-c" ]; then
     echo "python -c <shards> $*" >> "$RECORD"
     cd "{ROOT}" && exec "{sys.executable}" -c "$code" "$@"
 fi
-echo "python $*${{PYTHONPYCACHEPREFIX:+ [prefix $PYTHONPYCACHEPREFIX]}}" >> "$RECORD"
+prefix=${{PYTHONPYCACHEPREFIX:+ [prefix $PYTHONPYCACHEPREFIX]}}
+echo "python $*$prefix${{GLIBC_TUNABLES:+ [tunables $GLIBC_TUNABLES]}}" >> "$RECORD"
 case "$1" in data/*) exit "${{FETCH_STATUS:-0}}";; esac
 """
 NVIDIA_SMI_TWO_GPUS = (
@@ -160,7 +162,14 @@ def _run_sh(tmp_path, nvidia_smi, args=(), env=None, shards=0, status=0):
 @pytest.mark.parametrize("nvidia_smi", [NVIDIA_SMI_NO_DRIVER, None], ids=["no-driver", "no-nvidia-smi"])
 def test_run_sh_without_gpu_runs_the_smoke_preset(tmp_path, nvidia_smi):
     calls = _run_sh(tmp_path, nvidia_smi, args=["--num_iterations=3", "--seed", "1"])
-    assert calls == ["python train_gpt2.py --preset smoke --num_iterations=3 --seed 1"]
+    smoke = "python train_gpt2.py --preset smoke --num_iterations=3 --seed 1"
+    assert calls == [f"{smoke} [tunables {CPU_MALLOC_TUNABLES}]"]  # CPU_MALLOC_TUNABLES: conftest.py
+
+
+def test_run_sh_keeps_the_users_glibc_tunables_after_its_own(tmp_path):
+    calls = _run_sh(tmp_path, NVIDIA_SMI_NO_DRIVER, env={"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    tunables = f"{CPU_MALLOC_TUNABLES}:glibc.malloc.arena_max=2"  # glibc applies them in order: the user's last
+    assert calls == [f"python train_gpt2.py --preset smoke [tunables {tunables}]"]
 
 
 @pytest.mark.parametrize("preset", [["--preset=d24"], ["--preset", "d24"]])
@@ -168,7 +177,7 @@ def test_run_sh_without_gpu_runs_a_named_preset_as_asked(tmp_path, preset):
     """A preset the user names is not replaced by the smoke preset: it runs on the CPU (train_gpt2 then says what
     it lacks)."""
     calls = _run_sh(tmp_path, NVIDIA_SMI_NO_DRIVER, args=[*preset, "--seed=1"])
-    assert calls == [f"python train_gpt2.py {' '.join(preset)} --seed=1"]
+    assert calls == [f"python train_gpt2.py {' '.join(preset)} --seed=1 [tunables {CPU_MALLOC_TUNABLES}]"]
 
 
 def test_run_sh_fetches_missing_fineweb_then_uses_every_gpu(tmp_path):
