@@ -17,7 +17,9 @@ from model import gpt as gpt_module
 from model.attention import short_window
 from helpers import recorded_compile
 from model.gpt import GPT, GPTConfig, flops_per_token, mean_context, receptive_field
+from model.head import IGNORE_INDEX
 from model.layers import add_all, apply_rotary, rotary_tables, smear
+from runtime.dist import use_device_paths
 
 BOS = 0
 TINY = GPTConfig(vocab_size=256, num_layers=4, model_dim=64, num_heads=2, head_dim=32, num_value_embeds=1,
@@ -496,11 +498,14 @@ def test_validation_reuses_the_training_graphs_of_a_compiled_model(compiled):
     """train_gpt2.validation_loss_sum: for a compiled model the blocks run with autograd on, so that after a training
     step a validation batch compiles one graph only, the head's for the sum, under no_grad. For an eager model
     (compiled=False) everything runs under no_grad, which keeps no autograd graph and, on a compiled model, compiles
-    every region again. Either way the sum is the model's."""
+    every region again, and the head sees only the scored rows. Either way the sum is the model's: here the targets
+    are a validation batch's, a row's first half its context (not scored), and a batch of the last rows, where nothing
+    is scored, sums to 0."""
     from train_gpt2 import validation_loss_sum
 
     model = tiny_model(dataclasses.replace(TINY, num_layers=4, num_value_embeds=2), random=True)
     inputs, targets = batch()
+    targets[1, :T // 2] = IGNORE_INDEX
     with torch.no_grad():
         want = model(inputs, targets, torch.tensor(T), reduction="sum")
     hidden_states, seen = model.hidden_states, []
@@ -514,12 +519,38 @@ def test_validation_reuses_the_training_graphs_of_a_compiled_model(compiled):
         model(inputs, targets, torch.tensor(T)).backward()
         trained = len(traced)
         model.hidden_states = recording_hidden_states
+        head_rows = []
+        model.head.register_forward_pre_hook(lambda _, args: head_rows.append(args[0].shape[:2]))
         got = validation_loss_sum(model, inputs, targets, torch.tensor(T), compiled=compiled)
         # compiled: the head's graph for the sum alone; under no_grad throughout, the embeddings, x0's norm, the
         # masks, the one block pattern of this model and the head again
         assert len(traced) - trained == (1 if compiled else 5) and "sum" in traced[-1].code
     assert seen == [compiled] and not got.requires_grad  # the blocks' autograd graph, if any, ends before the head
+    assert head_rows == [(2, T) if compiled else (1, T + T // 2)]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    nothing_scored = torch.full_like(targets, IGNORE_INDEX)
+    assert validation_loss_sum(model, inputs, nothing_scored, torch.tensor(T), compiled=compiled).item() == 0
+
+
+@pytest.mark.gpu
+def test_eager_validation_on_the_gpu_paths_sums_the_scored_rows():
+    """train_gpt2.validation_loss_sum of an eager model on the GPU's paths (FlexAttention, bf16, the head's FP8
+    products and Triton kernel), whose head sees the scored rows only: the model's sum, and 0 for no scored row."""
+    from train_gpt2 import validation_loss_sum
+
+    model = tiny_model(random=True, backend="flex").cuda()
+    use_device_paths(model, torch.device("cuda"), fp8_head=True)
+    model.compute_dtype = torch.bfloat16
+    inputs, targets = (t.cuda() for t in batch())
+    targets[1, :T // 2] = IGNORE_INDEX
+    window = torch.tensor(T, device="cuda")
+    with torch.no_grad():
+        want = model(inputs, targets, window, reduction="sum")
+    got = validation_loss_sum(model, inputs, targets, window, compiled=False)
+    assert model.head.fp8 and model.head.fused
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    nothing_scored = torch.full_like(targets, IGNORE_INDEX)
+    assert validation_loss_sum(model, inputs, nothing_scored, window, compiled=False).item() == 0
 
 
 class ZeroFills(TorchDispatchMode):
