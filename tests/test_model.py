@@ -538,7 +538,8 @@ def test_eager_validation_on_the_gpu_paths_sums_the_scored_rows():
     products and Triton kernel), whose head sees the scored rows only: the model's sum, and 0 for no scored row."""
     from train_gpt2 import validation_loss_sum
 
-    model = tiny_model(random=True, backend="flex").cuda()
+    # FlexAttention's GPU kernels tile by at least 64 (the model's default block of 128 here; TINY's 32 is the CPU's)
+    model = tiny_model(dataclasses.replace(TINY, block_size=128), random=True, backend="flex").cuda()
     use_device_paths(model, torch.device("cuda"), fp8_head=True)
     model.compute_dtype = torch.bfloat16
     inputs, targets = (t.cuda() for t in batch())
@@ -546,8 +547,10 @@ def test_eager_validation_on_the_gpu_paths_sums_the_scored_rows():
     window = torch.tensor(T, device="cuda")
     with torch.no_grad():
         want = model(inputs, targets, window, reduction="sum")
+    head_rows = []
+    model.head.register_forward_pre_hook(lambda _, args: head_rows.append(args[0].shape[:2]))
     got = validation_loss_sum(model, inputs, targets, window, compiled=False)
-    assert model.head.fp8 and model.head.fused
+    assert model.head.fp8 and model.head.fused and head_rows == [(1, T + T // 2)]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     nothing_scored = torch.full_like(targets, IGNORE_INDEX)
     assert validation_loss_sum(model, inputs, nothing_scored, window, compiled=False).item() == 0
