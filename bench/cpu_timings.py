@@ -22,7 +22,7 @@ import torch
 
 from model.head import Head
 from runtime.checkpoint import save_checkpoint
-from train_gpt2 import PRESETS, TrainConfig
+from runtime.config import PRESETS, TrainConfig
 
 REPEATS = 5
 CHECKPOINT_MIB = 512  # large enough that fixed costs (opening the zip, unpickling) stay below 1% of each timing

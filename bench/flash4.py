@@ -26,7 +26,8 @@ from bench.attention import BLOCK, SCALE, document_seqlens, flex_problem, tokens
 from bench.flex_rule import LONG_WINDOW, REPEATS, token_window_mask
 from bench.timing import cuda_times_ms
 from data.shard import BOS_ID
-from model.attention import block_mask, document_ids, short_window, window_blocks
+from model.attention import block_mask, document_ids
+from model.config import short_window, window_blocks
 
 INSTALL = 'pip install --pre "flash-attn-4[cu13]" (or flash-attn-4 for a CUDA 12 build of torch)'
 

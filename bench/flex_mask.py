@@ -25,7 +25,8 @@ from torch.nn.attention.flex_attention import BlockMask
 from bench.attention import BLOCK, SCALE, flex_problem, tokens
 from bench.timing import cuda_times_ms
 from data.shard import BOS_ID
-from model.attention import block_mask, document_ids, short_window, window_blocks
+from model.attention import block_mask, document_ids
+from model.config import short_window, window_blocks
 
 LONG_WINDOW = 896  # bench/run.py's throughput window
 REPEATS = 30

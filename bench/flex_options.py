@@ -20,7 +20,8 @@ import torch
 from bench.attention import BLOCK, SCALE, flex_problem, tokens
 from bench.timing import cuda_times_ms
 from data.shard import BOS_ID
-from model.attention import block_mask, document_ids, short_window
+from model.attention import block_mask, document_ids
+from model.config import short_window
 
 LONG_WINDOW = 896  # bench/run.py's throughput window
 REPEATS = 30  # more than bench.timing's 10: candidates differ by a few percent

@@ -21,7 +21,8 @@ from torch.nn.attention.flex_attention import BlockMask
 from bench.attention import BLOCK, SCALE, flex_problem, tokens
 from bench.timing import cuda_times_ms
 from data.shard import BOS_ID
-from model.attention import _ordered, block_mask, block_pairs, document_ids, short_window
+from model.attention import _ordered, block_mask, block_pairs, document_ids
+from model.config import short_window
 
 LONG_WINDOW = 896  # bench/run.py's throughput window
 REPEATS = 30

@@ -28,7 +28,7 @@ REPEATS = 20
 def one_variant(variant: str) -> dict:
     from model.gpt import GPT
     from optim.optimizer import MuonAdam
-    from train_gpt2 import TrainConfig, model_config
+    from runtime.config import TrainConfig, model_config
     torch.manual_seed(0)
     model = GPT(model_config(TrainConfig())).cuda()
     model.init_weights()

@@ -22,7 +22,8 @@ def main():
     from model.gpt import GPT
     from runtime import dist
     from runtime.run import use_static_launcher
-    from train_gpt2 import TrainConfig, model_config, validation_loss_sum
+    from runtime.config import TrainConfig, model_config
+    from train_gpt2 import validation_loss_sum
 
     torch.manual_seed(0)
     use_static_launcher()

@@ -223,7 +223,7 @@ class ValLoader:
         if val_tokens <= 0:
             raise ValueError(f"--val_tokens={val_tokens} must be positive: it is how many tokens each validation "
                              f"scores (the speedrun's --val_tokens=10485760)")
-        assert 0 <= context < seq_len, f"context {context} outside 0..{seq_len - 1} (train_gpt2.derive checks it)"
+        assert 0 <= context < seq_len, f"context {context} outside 0..{seq_len - 1} (runtime.config.derive checks it)"
         assert 0 <= rank < world_size, f"rank {rank} outside world of size {world_size}"
         self.val_tokens, self.seq_len, self.device_batch_size = val_tokens, seq_len, device_batch_size
         self.context, self.stride = context, seq_len - context

@@ -1,5 +1,4 @@
-"""The speedrun GPT: architecture only (no distributed code, no device or environment choices, no file I/O)."""
+"""The speedrun GPT: architecture only (no distributed code, no device or environment choices, no file I/O).
 
-from model.gpt import GPT, GPTConfig, flops_per_token
-
-__all__ = ["GPT", "GPTConfig", "flops_per_token"]
+config.py holds the model's config and the rules that follow from it without torch (the run's flag checks read
+them before torch loads); gpt.py the model itself."""

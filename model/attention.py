@@ -27,20 +27,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from model.config import window_blocks
+
 
 def document_ids(inputs_BT: Tensor, bos_id: int) -> Tensor:
     """Document index of every token: tokens before the first BOS are document 0, each BOS opens a new one."""
     return (inputs_BT == bos_id).cumsum(dim=1, dtype=torch.int32)
-
-
-def short_window(window: Tensor, block_size: int) -> Tensor:
-    """The short-window layers' window: half the long one, rounded down to whole blocks, at least one block."""
-    return torch.clamp_min(window // 2 // block_size, 1) * block_size
-
-
-def window_blocks(window: Tensor, block_size: int) -> Tensor:
-    """How many blocks a window (tensor or int) spans: ceil(window / block_size), the query's own block included."""
-    return (window + block_size - 1) // block_size
 
 
 def dense_mask(doc_BT: Tensor, window: Tensor, block_size: int) -> Tensor:

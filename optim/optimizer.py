@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 
 from optim.adam import adam_update
-from optim.muon import (apply_updates, check_method, nesterov_momentum, neuron_shape, newton_schulz, normalize_neurons,
+from optim.iterations import check_method
+from optim.muon import (apply_updates, nesterov_momentum, neuron_shape, newton_schulz, normalize_neurons,
                         shape_scale)
 
 

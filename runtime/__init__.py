@@ -1,1 +1,1 @@
-"""Everything a run needs around the model: CLI, process setup, logging, checkpoints, user errors."""
+"""Everything a run needs around the model: its config, CLI, process setup, logging, checkpoints, user errors."""

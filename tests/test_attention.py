@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.attention import attend, block_mask, dense_mask, document_ids, short_window
+from model.attention import attend, block_mask, dense_mask, document_ids
+from model.config import short_window
 
 BOS = 0
 BLOCK = 32
@@ -137,8 +138,11 @@ def test_dense_mask_with_a_short_last_block():
 
 
 def test_short_window():
-    assert [int(short_window(torch.tensor(w), 128)) for w in (128, 300, 1024, 1792, 49152)] == \
-        [128, 128, 512, 896, 24576]
+    """The same rule on the model's tensors and on the config's ints (model/config.py, read before torch loads)."""
+    windows, expected = (128, 300, 1024, 1792, 49152), [128, 128, 512, 896, 24576]
+    assert [int(short_window(torch.tensor(w), 128)) for w in windows] == expected
+    assert [short_window(w, 128) for w in windows] == expected
+    assert all(type(short_window(w, 128)) is int for w in windows)
 
 
 def qkv(dtype, seq_len=T, requires_grad=False):

@@ -6,7 +6,7 @@ import pytest
 
 from runtime.cli import HELP_COLUMN, parse_config
 from runtime.errors import UserError
-from train_gpt2 import PRESETS, TrainConfig, derive, model_config
+from runtime.config import PRESETS, TrainConfig, derive, model_config
 
 
 def test_defaults_are_the_record_run():
@@ -19,7 +19,7 @@ def test_defaults_are_the_record_run():
 
 def test_val_context_resolves_to_the_receptive_field():
     """-1: long layers 0, 4, 11 move 1,792 - 128 tokens back each, the 8 short ones 896 - 128, one of them 127 more
-    (layer 7 has no attention; model.gpt.receptive_field), rounded up to whole blocks; capped at half a sequence;
+    (layer 7 has no attention; model.config.receptive_field), rounded up to whole blocks; capped at half a sequence;
     an explicit value is kept."""
     assert derive(TrainConfig(), world_size=1).val_context == 88 * 128 == 3 * 1664 + 8 * 768 + 127 + 1
     assert derive(TrainConfig(seq_len=16_384), world_size=1).val_context == 8_192

@@ -343,13 +343,14 @@ def test_val_context_scores_as_one_unbroken_stream(tmp_path):
     """With the model's receptive field as context, the summed validation loss over the loader's rows equals the
     loss of the whole stream as one sequence. With less, tokens after a cut lose part of their document's beginning
     and the sum differs. A small random-weight model (fp32, SDPA), so that attention carries information."""
-    from model.gpt import GPT, GPTConfig, receptive_field
+    from model.config import receptive_field
+    from model.gpt import GPT, GPTConfig
 
     _, pattern = write_shards(tmp_path, sizes=(150, 200), name="val")
     seq_len, window, val_tokens = 96, 32, 255
     config = GPTConfig(num_layers=2, model_dim=32, num_heads=2, head_dim=16, num_value_embeds=1, block_size=16)
     # both layers of a 2-layer model have the long window, 2 blocks; the context rounded up to whole blocks (as
-    # train_gpt2.derive does) keeps every row's blocks on the stream's
+    # runtime.config.derive does) keeps every row's blocks on the stream's
     assert receptive_field(config, window) == 2 * (window - 16) + 15
     context = -(-receptive_field(config, window) // 16) * 16  # 47 -> 48
     torch.manual_seed(0)

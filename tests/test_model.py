@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import gpt as gpt_module
-from model.attention import short_window
 from helpers import recorded_compile
-from model.gpt import GPT, GPTConfig, flops_per_token, mean_context, receptive_field
+from model.config import receptive_field, short_window
+from model.gpt import GPT, GPTConfig, flops_per_token, mean_context
 from model.head import IGNORE_INDEX
 from model.layers import add_all, apply_rotary, rotary_tables, smear
 from runtime.dist import use_device_paths

@@ -107,7 +107,7 @@ def test_gpu_marked_tests_skip_without_cuda(tmp_path):
 # --- run.sh with recording fakes -------------------------------------------------------------------------
 
 RECORDER = '#!/bin/sh\necho "{name} $*" >> "$RECORD"\n'
-# run.sh asks train_gpt2.fineweb_shards how many shards the flags read (`python -c CODE FLAGS...`): the fake hands
+# run.sh asks runtime.config.fineweb_shards how many shards the flags read (`python -c CODE FLAGS...`): the fake hands
 # that one question to the real interpreter in the real repository, and records the rest; FETCH_STATUS makes the
 # FineWeb download fail
 PYTHON = f"""#!/bin/sh
@@ -251,7 +251,7 @@ def test_run_sh_stops_at_a_bad_fineweb_shards_before_fetching(tmp_path, asked):
 
 def test_fineweb_shards_checks_the_flags_and_what_was_asked():
     """run.sh's one question: the flags on NPROC processes and FINEWEB_SHARDS are checked before any download."""
-    from train_gpt2 import fineweb_shards
+    from runtime.config import fineweb_shards
 
     assert fineweb_shards([], asked="12", world_size=2) == 12
     with pytest.raises(UserError, match=r"^FINEWEB_SHARDS=abc must be a whole number of train shards from 1 to 103; "
@@ -264,6 +264,17 @@ def test_fineweb_shards_checks_the_flags_and_what_was_asked():
         fineweb_shards(["--seq_len=200"])
 
 
+def test_the_config_checks_load_no_torch():
+    """run.sh asks its question before any training process starts, so that answer must not pay for torch: importing
+    train_gpt2 took 10.3-12.1 s on the H200 image, the config's modules 0.4 s. The default flags run every check,
+    the model's receptive field (--val_context=-1) included."""
+    code = ("import sys, runtime.config as c; print(c.fineweb_shards([])); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton') or m == 'model.gpt'))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["9", "[]"]
+
+
 def test_run_sh_stops_at_a_batch_that_does_not_split_before_fetching(tmp_path):
     calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--preset=short"], status=2)
     assert calls == ["python -c <shards> --preset=short"]
@@ -271,7 +282,7 @@ def test_run_sh_stops_at_a_batch_that_does_not_split_before_fetching(tmp_path):
 
 def test_fineweb_shards_counts_the_tokens_a_run_reads():
     """The run's tokens + 10% for BOS alignment, + 1 shard of 100M, at most the dataset's 103."""
-    from train_gpt2 import fineweb_shards
+    from runtime.config import fineweb_shards
 
     assert fineweb_shards([]) == 9  # 1,750 x 393,216 = 688M -> 757M -> 8 shards, + 1
     assert fineweb_shards(["--preset=d24"]) == 23  # 5,000 x 393,216 = 1.97B -> 2.16B -> 22, + 1

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from model.gpt import GPT
-from train_gpt2 import PRESETS, TrainConfig, derive, model_config
+from runtime.config import PRESETS, TrainConfig, derive, model_config
 
 # (layers, width, heads) of GPT-2 small, medium, large and XL (Radford et al. 2019, table 2); d12 keeps the
 # speedrun's 6 heads of 128 instead of 12 of 64 (the same attention width)

@@ -30,6 +30,7 @@ import train_gpt2
 from data.loader import DataExhausted, TrainLoader, ValLoader
 from data.shard import BOS_ID, HEADER_BYTES, ShardError, write_shard
 from runtime import checkpoint
+from runtime import config
 from runtime import errors
 from runtime.errors import UserError, exit_on_user_error
 
@@ -160,8 +161,8 @@ EARLY = [
       "lower --batch_size or --seq_len"]),
     ("08 all shards below --num_iterations", ["--num_iterations=2000"],
      ["hold 200,000 tokens, but --num_iterations=2000 x 128 tokens/step needs at least 256,001",
-      "python data/cached_fineweb10B.py 1", "--cycle_data=1", "(at most 1562 fit, fewer with --align_to_bos=1, which skips to a document start per "
-      "sequence)"]),
+      "python data/cached_fineweb10B.py 1", "--cycle_data=1",
+      "(at most 1562 fit, fewer with --align_to_bos=1, which skips to a document start per sequence)"]),
     ("09 batch_size vs device_batch_size", ["--batch_size=3", "--device_batch_size=2"],
      ["--batch_size=3 must be a positive multiple of --device_batch_size=2 x 1 processes",
       "try --device_batch_size=1 "]),
@@ -327,9 +328,9 @@ def test_25_bad_id_in_the_validation_shard(corpus):
     ("profile_step", -1, "--profile_step=-1 must name a step from 1"),
 ])
 def test_impossible_values_are_refused(flag, value, words):
-    cfg = train_gpt2.TrainConfig(**{flag: value})
+    cfg = config.TrainConfig(**{flag: value})
     with pytest.raises(ValueError, match=re.escape(words)):
-        train_gpt2.derive(cfg, world_size=1)
+        config.derive(cfg, world_size=1)
 
 
 # --- case 11: a validation that is not a whole number of batches is counted exactly ------------------------
@@ -465,7 +466,7 @@ def test_18c_resume_without_the_preset_names_it(base_run, corpus, tmp_path):
     for argv, fix in ((flags, "add --preset=smoke, the preset it was started with"),
                       ([*flags, "--model_dim=96"], "pass the same values")):
         with pytest.raises(UserError, match=rf"model_dim: 64 -> (768|96).*To resume, {fix}$"):
-            train_gpt2.check_resume(train_gpt2.parse_config(train_gpt2.TrainConfig, argv, train_gpt2.PRESETS), argv)
+            train_gpt2.check_resume(config.parse_config(config.TrainConfig, argv, config.PRESETS), argv)
 
 
 def test_18b_resume_of_a_checkpoint_from_another_version(base_run, corpus, tmp_path):
@@ -487,10 +488,10 @@ def test_18b_resume_of_a_checkpoint_from_another_version(base_run, corpus, tmp_p
 def test_18d_a_newer_version_field_alone_is_refused():
     """A checkpoint whose config has a field this code lacks (a newer version's option) and none missing: it could
     have changed the math, so it is refused like the other way round, not resumed silently."""
-    config = {"seed": 0, "lr_hidden": 0.05}
-    assert checkpoint.config_diff(config, config, set(), "c.pt") == []
+    saved = {"seed": 0, "lr_hidden": 0.05}
+    assert checkpoint.config_diff(saved, saved, set(), "c.pt") == []
     with pytest.raises(UserError, match=r"its config has unknown new_option\); resume it with that version"):
-        checkpoint.config_diff({**config, "new_option": 1}, config, set(), "c.pt")
+        checkpoint.config_diff({**saved, "new_option": 1}, saved, set(), "c.pt")
 
 
 def test_checkpoints_are_pruned_to_the_newest_two(tmp_path):
@@ -584,14 +585,14 @@ def test_20_disk_full_during_a_checkpoint_keeps_the_earlier_one(corpus, tmp_path
 def test_oom_advice_fits(batch_size, device_batch_size, seq_len, world_size, advice):
     """CUDA out-of-memory cannot happen on a CPU: the advice itself is checked, and every configuration it
     suggests passes derive() with fewer tokens per GPU micro-batch."""
-    cfg = train_gpt2.TrainConfig(batch_size=batch_size, device_batch_size=device_batch_size, seq_len=seq_len)
-    text = train_gpt2.oom_advice(cfg)
+    cfg = config.TrainConfig(batch_size=batch_size, device_batch_size=device_batch_size, seq_len=seq_len)
+    text = config.oom_advice(cfg)
     assert advice in text
     suggested = {name: int(value) for name, value in re.findall(r"--(\w+)=(\d+)", text)}
     if suggested:
-        smaller = train_gpt2.TrainConfig(**{**dict(batch_size=batch_size, device_batch_size=device_batch_size,
-                                                   seq_len=seq_len), **suggested})
-        train_gpt2.derive(smaller, world_size)
+        smaller = config.TrainConfig(**{**dict(batch_size=batch_size, device_batch_size=device_batch_size,
+                                               seq_len=seq_len), **suggested})
+        config.derive(smaller, world_size)
         assert smaller.device_batch_size * smaller.seq_len < device_batch_size * seq_len
 
 

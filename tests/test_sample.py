@@ -11,7 +11,7 @@ from helpers import random_gpt
 from model.gpt import GPT
 from runtime.checkpoint import load_model
 from runtime.errors import UserError
-from train_gpt2 import PRESETS, TrainConfig, model_config
+from runtime.config import PRESETS, TrainConfig, model_config
 
 # the smoke model with a 128-token training sequence, so a long prompt gets cropped
 CONFIG = TrainConfig(**(PRESETS["smoke"] | dict(seq_len=128, window_max_tokens=128)))
