@@ -172,6 +172,51 @@ def test_run_sh_keeps_the_users_glibc_tunables_after_its_own(tmp_path):
     assert calls == [f"python train_gpt2.py --preset smoke [tunables {tunables}]"]
 
 
+# A process that measures how much of a freed 64 MiB block it keeps: glibc maps so large a block by default and
+# unmaps it when freed; from the heap, under run.sh's settings, it stays for the next step.
+KEPT_AFTER_FREE = """import os, numpy as np
+from runtime.memory import keep_freed_memory
+def kept_mib():
+    with open('/proc/self/statm') as f: before = int(f.read().split()[1])
+    block = np.ones(64 << 20, np.uint8); del block
+    with open('/proc/self/statm') as f: return (int(f.read().split()[1]) - before) * os.sysconf('SC_PAGE_SIZE') >> 20
+print(kept_mib(), keep_freed_memory(), kept_mib())"""
+
+
+@pytest.mark.parametrize("tunables, expected", [(None, True), ("glibc.malloc.arena_max=2", False)])
+def test_a_cpu_run_without_run_sh_sets_what_its_tunables_would(tunables, expected):
+    """train_gpt2 on the CPU calls runtime.memory.keep_freed_memory: started without run.sh, it sets run.sh's
+    mmap_max and trim_threshold through mallopt; where GLIBC_TUNABLES names a malloc setting (run.sh's, or the
+    user's), it leaves glibc alone, so that setting wins."""
+    from runtime import memory
+
+    assert f"glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold={memory.TRIM_THRESHOLD}" in CPU_MALLOC_TUNABLES
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}  # conftest.py sets run.sh's
+    if tunables:
+        env["GLIBC_TUNABLES"] = tunables
+    result = subprocess.run([sys.executable, "-c", KEPT_AFTER_FREE], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    before, applied, after = result.stdout.split()
+    assert int(before) < 8 and applied == str(expected)
+    assert int(after) >= 60 if expected else int(after) < 8, result.stdout
+
+
+def test_a_cpu_run_sets_the_allocator_before_its_work(monkeypatch, tmp_path):
+    """train_gpt2 asks runtime.memory.keep_freed_memory first thing on the CPU (the test above checks what it does)."""
+    import train_gpt2
+
+    class Asked(Exception):
+        pass
+
+    def asked():
+        raise Asked
+
+    monkeypatch.setattr(train_gpt2, "keep_freed_memory", asked)
+    with pytest.raises(Asked):
+        train_gpt2.main(["--preset=smoke", "--device=cpu", f"--log_dir={tmp_path}"])
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("preset", [["--preset=d24"], ["--preset", "d24"]])
 def test_run_sh_without_gpu_runs_a_named_preset_as_asked(tmp_path, preset):
     """A preset the user names is not replaced by the smoke preset: it runs on the CPU (train_gpt2 then says what
