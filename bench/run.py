@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from bench.gpu_monitor import GpuMonitor, run_gpus
-from model.gpt import GPTConfig, flops_per_token
+from model.config import GPTConfig, flops_per_token
 from runtime.bytecode import cache_prefix
 
 REPO = Path(__file__).resolve().parent.parent

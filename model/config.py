@@ -1,6 +1,7 @@
-"""The model's shape and options (GPTConfig) and the rules that follow from them alone: which layers attend over
-which window, and how far back the model sees. Plain Python, no torch: the run's config (runtime/config.py) checks
-the flags with these before torch loads, which takes 10-12 s on the H200 image where run.sh asks it first."""
+"""The model's shape and options (GPTConfig) and what follows from them alone: which layers attend over which
+window, how far back the model sees, its FLOPs per token. Plain Python, no torch: the run's config
+(runtime/config.py) checks the flags with these before torch loads, which took 10-12 s on the H200 image where run.sh
+asks it first, and the benchmark harness (bench/run.py) counts MFU with them."""
 
 import math
 from dataclasses import dataclass
@@ -124,3 +125,28 @@ def receptive_field(config: GPTConfig, window: int) -> int:
     S = config.block_size
     windows = attention_windows(config, window).values()
     return (sum(w - S for w in windows) + S - 1 if windows else 0) + int(config.smear)
+
+
+def mean_context(seq_len: int, window: int, block_size: int) -> float:
+    """Mean number of keys a query attends under the causal window of whole blocks (documents ignored)."""
+    earlier_blocks = window_blocks(window, block_size) - 1  # the window's blocks before the query's own
+    keys = sum(pos - max(pos // block_size - earlier_blocks, 0) * block_size + 1 for pos in range(seq_len))
+    return keys / seq_len  # the sum is an exact integer: the division is the one rounding
+
+
+def flops_per_token(config: GPTConfig, seq_len: int, window: int) -> float:
+    """Training FLOPs per token (forward + backward) for MFU, in the PaLM convention (Chowdhery et al. 2022, app. B):
+
+        6 * N_matmul  +  sum over layers of 12 * A * C_layer
+
+    N_matmul counts the weights used in matmuls (block matrices and the head; embedding lookups are free): 2 FLOPs
+    per weight per token forward, 4 backward. Attention's QK^T and AV each cost 2 * A * C forward per token, times
+    3 for training, where C is the mean number of attended keys under the layer's causal window (`mean_context`;
+    document boundaries are data-dependent and ignored, so this is an upper bound on useful work).
+    """
+    D, A = config.model_dim, config.num_heads * config.head_dim
+    windows = attention_windows(config, window)
+    mlp_layers = config.num_layers - len(config.no_mlp_layers)
+    n_matmul = (len(windows) * (3 * A * D + D * A) + mlp_layers * 2 * config.mlp_ratio * D * D
+                + config.vocab_size * D)
+    return 6 * n_matmul + sum(12 * A * mean_context(seq_len, w, config.block_size) for w in windows.values())

@@ -1,5 +1,5 @@
-"""The speedrun GPT (modded-nanogpt style): the model, its parameter groups and the FLOPs estimate for MFU. Its config,
-GPTConfig, and the window rules are in model/config.py.
+"""The speedrun GPT (modded-nanogpt style): the model and its parameter groups. Its config (GPTConfig), the window
+rules and the FLOPs per token for MFU are in model/config.py.
 
 Shape legend: B batch rows, T tokens, D model dim, H heads, d head dim, A = H * d attention width, V vocab,
 P = d // 2 rotary pairs.
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.attention import block_mask, dense_mask, document_ids
-from model.config import GPTConfig, attention_windows, short_window, window_blocks
+from model.config import GPTConfig, short_window
 from model.head import Head
 from model.layers import (SMEAR_GATE_CHANNELS, Block, FanOut, SkipAdd, TableRows, add_all, norm, rotary_tables,
                           smear, sort_ids)
@@ -224,28 +224,3 @@ class GPT(nn.Module):
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction={reduction!r}: use one of {REDUCTIONS}")
         return self.head(self.hidden_states(inputs_BT, window), targets_BT, reduction)
-
-
-def mean_context(seq_len: int, window: int, block_size: int) -> float:
-    """Mean number of keys a query attends under the causal window of whole blocks (documents ignored)."""
-    pos_T = torch.arange(seq_len)
-    first_key_T = torch.clamp_min(pos_T // block_size - (window_blocks(window, block_size) - 1), 0) * block_size
-    return float((pos_T - first_key_T + 1).double().mean())
-
-
-def flops_per_token(config: GPTConfig, seq_len: int, window: int) -> float:
-    """Training FLOPs per token (forward + backward) for MFU, in the PaLM convention (Chowdhery et al. 2022, app. B):
-
-        6 * N_matmul  +  sum over layers of 12 * A * C_layer
-
-    N_matmul counts the weights used in matmuls (block matrices and the head; embedding lookups are free): 2 FLOPs
-    per weight per token forward, 4 backward. Attention's QK^T and AV each cost 2 * A * C forward per token, times
-    3 for training, where C is the mean number of attended keys under the layer's causal window (`mean_context`;
-    document boundaries are data-dependent and ignored, so this is an upper bound on useful work).
-    """
-    D, A = config.model_dim, config.num_heads * config.head_dim
-    windows = attention_windows(config, window)
-    mlp_layers = config.num_layers - len(config.no_mlp_layers)
-    n_matmul = (len(windows) * (3 * A * D + D * A) + mlp_layers * 2 * config.mlp_ratio * D * D
-                + config.vocab_size * D)
-    return 6 * n_matmul + sum(12 * A * mean_context(seq_len, w, config.block_size) for w in windows.values())

@@ -15,8 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import gpt as gpt_module
 from helpers import recorded_compile
-from model.config import receptive_field, short_window
-from model.gpt import GPT, GPTConfig, flops_per_token, mean_context
+from model.attention import dense_mask
+from model.config import flops_per_token, mean_context, receptive_field, short_window
+from model.gpt import GPT, GPTConfig
 from model.head import IGNORE_INDEX
 from model.layers import add_all, apply_rotary, rotary_tables, smear
 from runtime.dist import use_device_paths
@@ -299,6 +300,14 @@ def test_zero_attention_gate_halves_each_head():
                                ungated(inputs, targets, window, reduction="none"), rtol=0, atol=0)
     gated(inputs, targets, window).backward()
     assert all(block.attn.gate_w.grad.abs().sum() > 0 for block in gated.blocks)
+
+
+def test_mean_context_counts_the_keys_of_the_attention_rule():
+    """mean_context (plain Python, for the FLOPs count) against the keys the SDPA mask lets each query see, in one
+    document: the window in whole blocks, a short last block included."""
+    for seq_len, window, block_size in ((128, 64, 32), (100, 40, 16), (96, 500, 32), (64, 1, 16)):
+        mask = dense_mask(torch.zeros(1, seq_len, dtype=torch.int32), torch.tensor(window), block_size)
+        assert mean_context(seq_len, window, block_size) == pytest.approx(mask.sum().item() / seq_len, rel=1e-15)
 
 
 def test_dropped_parts_leave_the_flops_count():
