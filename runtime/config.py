@@ -1,8 +1,7 @@
 """Every setting of a run (TrainConfig, whose defaults are the record run), the named presets, and the checks and
-numbers that follow from them (derive). No torch here, so that a bad flag stops in a fraction of a second: run.sh
-asks `fineweb_shards` how many shards to fetch before any download, and importing train_gpt2 (torch, Triton, the
-kernels) to answer took 10.3-12.1 s on the H200 image, against 0.37 s for these modules
-(bench/results/README.md)."""
+numbers that follow from them (derive). No torch here: run.sh asks `fineweb_shards` how many shards to fetch, which
+checks the flags, before any download. Answered by importing train_gpt2 (torch, Triton, the kernels), that took
+10.9-12.5 s on the H200 image; by this module, 0.7-1.0 s (bench/results/README.md)."""
 import dataclasses
 import math
 

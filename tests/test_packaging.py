@@ -311,7 +311,7 @@ def test_fineweb_shards_checks_the_flags_and_what_was_asked():
 
 def test_the_config_checks_load_no_torch():
     """run.sh asks its question before any training process starts, so that answer must not pay for torch: importing
-    train_gpt2 took 10.3-12.1 s on the H200 image, the config's modules 0.4 s. The default flags run every check,
+    train_gpt2 took 10.9-12.5 s on the H200 image, runtime.config 0.7-1.0 s. The default flags run every check,
     the model's receptive field (--val_context=-1) included."""
     code = ("import sys, runtime.config as c; print(c.fineweb_shards([])); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton') or m == 'model.gpt'))")
