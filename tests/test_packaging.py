@@ -107,13 +107,14 @@ def test_gpu_marked_tests_skip_without_cuda(tmp_path):
 # --- run.sh with recording fakes -------------------------------------------------------------------------
 
 RECORDER = '#!/bin/sh\necho "{name} $*" >> "$RECORD"\n'
-# run.sh asks runtime.config.fineweb_shards how many shards the flags read (`python -c CODE FLAGS...`): the fake hands
-# that one question to the real interpreter in the real repository, and records the rest; FETCH_STATUS makes the
-# FineWeb download fail
+# run.sh asks runtime.config.fineweb_shards how many shards the flags read, and prints the flags' help, with
+# `python -c CODE FLAGS...`: the fake hands those to the real interpreter in the real repository, and records the rest;
+# FETCH_STATUS makes the FineWeb download fail
 PYTHON = f"""#!/bin/sh
 if [ "$1" = "-c" ]; then
     code=$2; shift 2
-    echo "python -c <shards> $*" >> "$RECORD"
+    case "$code" in *fineweb_shards*) what="<shards>";; *) what="<help>";; esac
+    echo "python -c $what $*" >> "$RECORD"
     cd "{ROOT}" && exec "{sys.executable}" -c "$code" "$@"
 fi
 prefix=${{PYTHONPYCACHEPREFIX:+ [prefix $PYTHONPYCACHEPREFIX]}}
@@ -128,8 +129,9 @@ NVIDIA_SMI_TWO_GPUS = (
 NVIDIA_SMI_NO_DRIVER = "#!/bin/sh\necho 'NVIDIA-SMI has failed: no driver' >&2\nexit 9\n"
 
 
-def _run_sh(tmp_path, nvidia_smi, args=(), env=None, shards=0, status=0):
-    """Runs a copy of run.sh with fakes on PATH and returns the commands it ran, one string each."""
+def _run_sh(tmp_path, nvidia_smi, args=(), env=None, shards=0, status=0, stdout=False):
+    """Runs a copy of run.sh with fakes on PATH and returns the commands it ran, one string each (and what it printed,
+    with `stdout`)."""
     work, fakebin = tmp_path / "repo", tmp_path / "bin"
     work.mkdir()
     fakebin.mkdir()
@@ -156,7 +158,8 @@ def _run_sh(tmp_path, nvidia_smi, args=(), env=None, shards=0, status=0):
         env={"PATH": str(fakebin), "RECORD": str(record), **(env or {})},
     )
     assert result.returncode == status, result.stdout + result.stderr
-    return record.read_text().splitlines() if record.exists() else []
+    calls = record.read_text().splitlines() if record.exists() else []
+    return (calls, result.stdout) if stdout else calls
 
 
 @pytest.mark.parametrize("nvidia_smi", [NVIDIA_SMI_NO_DRIVER, None], ids=["no-driver", "no-nvidia-smi"])
@@ -349,8 +352,10 @@ def test_run_sh_fetches_more_shards_when_asked(tmp_path):
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_run_sh_help_lists_the_flags_without_fetching(tmp_path, flag):
-    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--preset=d24", flag])
-    assert calls == [f"python train_gpt2.py --preset=d24 {flag}"]
+    """The help comes from runtime.config, which loads no torch (test_the_config_checks_load_no_torch)."""
+    calls, printed = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--preset=d24", flag], stdout=True)
+    assert calls == [f"python -c <help> --preset=d24 {flag}"]
+    assert "--num_iterations" in printed and "--device_batch_size" in printed
 
 
 def test_run_sh_stops_at_a_bad_flag_before_fetching(tmp_path):
