@@ -265,11 +265,37 @@ def test_later_ranks_report_a_moment_later(monkeypatch, capsys):
 
 
 def test_a_mistake_in_the_flags_is_reported_once_under_torchrun(tmp_path):
-    """Both processes fail alike; the message shows once (it showed once per process, on one line)."""
+    """Both processes fail alike; the message shows once (it showed once per process, on one line), and torchrun's
+    failure summary, printed last, gives it as the root cause (it said "To enable traceback see: <url>")."""
     result = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                   "train_gpt2.py", "--device=cpu", "--batch_size=3", f"--log_dir={tmp_path}"])
     message = "error: --batch_size=3 must be a positive multiple of --device_batch_size=1 x 2 processes = 2"
-    assert result.returncode != 0 and output(result).count(message) == 1, output(result)
+    lines = output(result).splitlines()
+    assert result.returncode != 0 and sum(line.startswith(message) for line in lines) == 1, output(result)
+    root_cause = "\n".join(lines[next(i for i, line in enumerate(lines) if line.startswith("Root Cause")):])
+    assert f"traceback : {message}" in root_cause and "rank      : 0" in root_cause, root_cause
+
+
+def test_torchrun_reads_the_message_from_the_error_file(tmp_path, monkeypatch, capsys):
+    """The error file is read back by torch's own reader, as torchrun's summary reads it; outside torchrun, or where
+    the file cannot be written, only stderr gets the message."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    def main():
+        raise ValueError("--x=1 is wrong; pass --x=2")
+
+    def failure(path):
+        with pytest.raises(SystemExit):
+            exit_on_user_error(main)
+        assert capsys.readouterr().err == "error: --x=1 is wrong; pass --x=2\n"
+        return ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(path))
+
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    assert failure(tmp_path / "error.json").message.startswith("To enable traceback") and not list(tmp_path.iterdir())
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    assert failure(tmp_path / "error.json").message == "error: --x=1 is wrong; pass --x=2"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "missing" / "error.json"))
+    assert failure(tmp_path / "missing" / "error.json").message.startswith("To enable traceback")
 
 
 # --- the data: a small later shard, bad ids in the validation shard -----------------------------------------
