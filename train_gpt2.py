@@ -30,7 +30,7 @@ from runtime import checkpoint, dist
 from runtime.bytecode import bytecode_note
 from runtime.cli import parse_config
 from runtime.config import BLOCK_SIZE, PRESETS, RESUME_MAY_CHANGE, TrainConfig, derive, oom_advice
-from runtime.errors import UserError, exit_on_user_error
+from runtime.errors import UserError, exit_on_user_error, tell_torchrun
 from runtime.logger import RunLog
 from runtime.memory import keep_freed_memory
 from runtime.run import StopRequest, all_finite, check_disk_space, make_run_dir, profiled, use_static_launcher
@@ -300,8 +300,10 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
             if diverged:
                 where = (f"the last good checkpoint is {last_checkpoint} (--resume it if a hardware fault caused "
                          f"this)" if last_checkpoint else "no checkpoint was written")
-                log.print(f"error: {diverged} at step {done}; stopping, {where}. Restart with lower learning "
-                          f"rates (--lr_hidden, --lr_embed, --lr_head, --lr_scalar)")
+                message = (f"error: {diverged} at step {done}; stopping, {where}. Restart with lower learning "
+                           f"rates (--lr_hidden, --lr_embed, --lr_head, --lr_scalar)")
+                log.print(message)
+                tell_torchrun(message)  # every rank: torchrun's summary shows the first to exit
                 log.close()
                 return DIVERGED_EXIT
             log.step(done, cfg.num_iterations, elapsed, train_loss=train_loss)

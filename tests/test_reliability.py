@@ -211,7 +211,7 @@ def jobs(corpus, tmp_path_factory):
     jobs.start("base", train_cmd(corpus, jobs.logs / "base", *BASE))
     for name, lr in (("15-loss", "--lr_scalar=1e30"), ("15-weights", "--lr_embed=1e38")):
         jobs.start(name, train_cmd(corpus, jobs.logs / name, lr, "--num_iterations=5", "--checkpoint_every=1",
-                                   "--log_every=1"))
+                                   "--log_every=1"), TORCHELASTIC_ERROR_FILE=str(jobs.logs / f"{name}.json"))
     for i, (case, flags, _) in enumerate(EARLY):
         if case in NEEDS_NO_GPU and torch.cuda.is_available():
             continue
@@ -394,6 +394,10 @@ def test_15_divergence_stops_at_once_and_keeps_the_last_good_checkpoint(jobs):
     assert checkpoint.list_checkpoints(run_dir)[-1] == kept == checkpoint.checkpoint_path(run_dir, step - 1)
     assert checkpoint.load_checkpoint(kept)["step"] == step - 1
     assert_only_finite_checkpoints(run_dir)
+    # under torchrun (its error file, as torchrun names it for each process), its failure summary says the same
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    summary = ProcessFailure(local_rank=0, pid=1, exitcode=3, error_file=str(jobs.logs / "15-loss.json"))
+    assert summary.message == match.group(0) + text[match.end():].splitlines()[0], summary.message
 
 
 def test_15_an_overflowing_update_is_caught_before_its_checkpoint(jobs):
