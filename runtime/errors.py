@@ -43,13 +43,14 @@ def tell_torchrun(message: str) -> None:
 
     torchrun gives each process an error file (TORCHELASTIC_ERROR_FILE) and shows the first failed process's file as
     the summary's root cause. A process that left none got "traceback : To enable traceback see: <url>", and the line
-    that names the fix stood 44 lines above the end (2 processes, torch 2.13). The file takes torchelastic's short
-    form, a message and a timestamp (ProcessFailure in torch/distributed/elastic/multiprocessing/errors)."""
+    that names the fix stood 44 lines above the end (2 processes, torch 2.13). The file takes the form torch's own
+    ErrorHandler.record_exception writes, without the traceback, which the summary would show in the message's place
+    (ProcessFailure in torch/distributed/elastic/multiprocessing/errors reads it)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:  # not under torchrun
         return
     try:
         with open(path, "w") as f:
-            json.dump({"message": message, "timestamp": int(time.time())}, f)
+            json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
     except OSError:  # the message is on stderr already; the summary then points to torch's docs, as before
         pass

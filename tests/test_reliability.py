@@ -276,26 +276,32 @@ def test_a_mistake_in_the_flags_is_reported_once_under_torchrun(tmp_path):
     assert f"traceback : {message}" in root_cause and "rank      : 0" in root_cause, root_cause
 
 
-def test_torchrun_reads_the_message_from_the_error_file(tmp_path, monkeypatch, capsys):
-    """The error file is read back by torch's own reader, as torchrun's summary reads it; outside torchrun, or where
-    the file cannot be written, only stderr gets the message."""
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+def torchrun_summary(error_file: Path, exitcode: int) -> str:
+    """The failure summary torchrun prints for one failed process, made by torch's own code from its error file."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=exitcode, error_file=str(error_file))
+    return ChildFailedError("train_gpt2.py", {0: failure}).format_msg()
+
+
+def test_torchrun_reads_the_message_from_the_error_file(tmp_path, monkeypatch, capsys):
+    """torchrun's summary shows the message from the error file; outside torchrun, or where the file cannot be
+    written, only stderr gets it."""
     def main():
         raise ValueError("--x=1 is wrong; pass --x=2")
 
-    def failure(path):
+    def summary(path):
         with pytest.raises(SystemExit):
             exit_on_user_error(main)
         assert capsys.readouterr().err == "error: --x=1 is wrong; pass --x=2\n"
-        return ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(path))
+        return torchrun_summary(path, 2)
 
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
-    assert failure(tmp_path / "error.json").message.startswith("To enable traceback") and not list(tmp_path.iterdir())
+    assert "traceback : To enable traceback" in summary(tmp_path / "error.json") and not list(tmp_path.iterdir())
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
-    assert failure(tmp_path / "error.json").message == "error: --x=1 is wrong; pass --x=2"
+    assert "traceback : error: --x=1 is wrong; pass --x=2\n" in summary(tmp_path / "error.json")
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "missing" / "error.json"))
-    assert failure(tmp_path / "missing" / "error.json").message.startswith("To enable traceback")
+    assert "traceback : To enable traceback" in summary(tmp_path / "missing" / "error.json")
 
 
 # --- the data: a small later shard, bad ids in the validation shard -----------------------------------------
@@ -395,9 +401,8 @@ def test_15_divergence_stops_at_once_and_keeps_the_last_good_checkpoint(jobs):
     assert checkpoint.load_checkpoint(kept)["step"] == step - 1
     assert_only_finite_checkpoints(run_dir)
     # under torchrun (its error file, as torchrun names it for each process), its failure summary says the same
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-    summary = ProcessFailure(local_rank=0, pid=1, exitcode=3, error_file=str(jobs.logs / "15-loss.json"))
-    assert summary.message == match.group(0) + text[match.end():].splitlines()[0], summary.message
+    line = match.group(0) + text[match.end():].splitlines()[0]
+    assert f"traceback : {line}\n" in torchrun_summary(jobs.logs / "15-loss.json", 3)
 
 
 def test_15_an_overflowing_update_is_caught_before_its_checkpoint(jobs):
