@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 USER_ERROR_EXIT = 2  # argparse's convention for a usage error
 # torchrun starts one process per GPU, and a mistake in the flags fails in all of them alike. The first process of
@@ -24,22 +25,24 @@ class UserError(Exception):
 
 
 def exit_on_user_error(main, *args, **kwargs):
-    """Run main(); turn UserError/ValueError into a one-line message and exit status 2."""
+    """Run main(); turn UserError/ValueError into a one-line message and exit status 2. Under torchrun, the message,
+    or any other exception's traceback, is also the root cause in the failure summary torchrun prints last."""
     try:
         return main(*args, **kwargs)
-    except (UserError, ValueError) as e:
-        if os.environ.get("SPEEDRUN_TRACEBACK") == "1":
-            raise
-        if int(os.environ.get("LOCAL_RANK", "0")) > 0:
-            time.sleep(LATER_RANKS_WAIT_S)
-        sys.stderr.write(f"error: {e}\n")  # one write: two processes' messages never share a line
-        sys.stderr.flush()
-        tell_torchrun(f"error: {e}")
-        sys.exit(USER_ERROR_EXIT)
+    except Exception as e:
+        if isinstance(e, (UserError, ValueError)) and os.environ.get("SPEEDRUN_TRACEBACK") != "1":
+            if int(os.environ.get("LOCAL_RANK", "0")) > 0:
+                time.sleep(LATER_RANKS_WAIT_S)
+            sys.stderr.write(f"error: {e}\n")  # one write: two processes' messages never share a line
+            sys.stderr.flush()
+            tell_torchrun(f"error: {e}")
+            sys.exit(USER_ERROR_EXIT)
+        tell_torchrun(traceback.format_exc().rstrip())  # a bug, or a traceback asked for: as torch's @record does
+        raise
 
 
 def tell_torchrun(message: str) -> None:
-    """Give torchrun the message for the failure summary it prints last, below its own traceback.
+    """Give torchrun the message (or traceback) for the failure summary it prints last, below its own traceback.
 
     torchrun gives each process an error file (TORCHELASTIC_ERROR_FILE) and shows the first failed process's file as
     the summary's root cause. A process that left none got "traceback : To enable traceback see: <url>", and the line

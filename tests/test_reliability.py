@@ -286,7 +286,7 @@ def torchrun_summary(error_file: Path, exitcode: int) -> str:
 
 def test_torchrun_reads_the_message_from_the_error_file(tmp_path, monkeypatch, capsys):
     """torchrun's summary shows the message from the error file; outside torchrun, or where the file cannot be
-    written, only stderr gets it."""
+    written, only stderr gets it. Other exceptions pass with their traceback, which the summary then shows."""
     def main():
         raise ValueError("--x=1 is wrong; pass --x=2")
 
@@ -302,6 +302,17 @@ def test_torchrun_reads_the_message_from_the_error_file(tmp_path, monkeypatch, c
     assert "traceback : error: --x=1 is wrong; pass --x=2\n" in summary(tmp_path / "error.json")
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "missing" / "error.json"))
     assert "traceback : To enable traceback" in summary(tmp_path / "missing" / "error.json")
+
+    # any other exception (a bug) goes through with its traceback, which the summary shows
+    def crash():
+        raise RuntimeError("boom")
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "crash.json"))
+    with pytest.raises(RuntimeError, match="boom"):
+        exit_on_user_error(crash)
+    text = torchrun_summary(tmp_path / "crash.json", 1)
+    assert "traceback : Traceback (most recent call last):" in text and "in crash\n" in text, text
+    assert "  RuntimeError: boom\n" in text, text
 
 
 # --- the data: a small later shard, bad ids in the validation shard -----------------------------------------
