@@ -1,6 +1,8 @@
 """Process setup: which device, which rank, and the process group when torchrun started several processes."""
 import dataclasses
 import os
+import re
+import subprocess
 
 import torch
 import torch.distributed as dist
@@ -22,15 +24,58 @@ class Runtime:
 def choose_device(flag: str, local_rank: int) -> torch.device:
     if flag not in ("auto", "cuda", "cpu"):
         raise UserError(f"--device={flag!r} is not a device; use --device auto, cuda or cpu")
-    if flag == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda, but no CUDA GPU is visible (torch.cuda.is_available() is False): "
-                        "check nvidia-smi and CUDA_VISIBLE_DEVICES, or run on the CPU with --device cpu")
-    if flag == "cpu" or not torch.cuda.is_available():
+    if flag == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        gpus = nvidia_device_files()
+        if flag == "cuda" or gpus:  # auto goes to the CPU only where there is no GPU to use
+            raise UserError(no_usable_gpu(flag, gpus))
         return torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
         raise UserError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} are visible; "
                         f"start torchrun with --nproc_per_node={torch.cuda.device_count()}")
     return torch.device("cuda", local_rank)
+
+
+def nvidia_device_files(dev: str = "/dev") -> list[str]:
+    """The NVIDIA GPUs' device files (/dev/nvidia0, ...; not nvidiactl or nvidia-uvm): present where the driver runs
+    and, in a container, where it was started with the GPUs (--gpus), whatever this torch build can do with them."""
+    names = [name for name in os.listdir(dev) if re.fullmatch(r"nvidia\d+", name)] if os.path.isdir(dev) else []
+    return [os.path.join(dev, name) for name in sorted(names, key=lambda name: int(name.removeprefix("nvidia")))]
+
+
+def no_usable_gpu(flag: str, gpus: list[str]) -> str:
+    """Why torch sees no GPU, and the fix. Where the machine has GPUs, --device auto stops here instead of training
+    on the CPU: the torch that pip installs by default (2.14.1+cu130 here on 2026-12-01) cannot use a driver older
+    than CUDA 13 (nvidia-smi's "CUDA Version"), and under torchrun the record model then trained in CPU processes."""
+    if not gpus:
+        return ("--device cuda, but no CUDA GPU is visible (torch.cuda.is_available() is False, and there is no "
+                "/dev/nvidia0): check nvidia-smi (in Docker: docker run --gpus all), or train on the CPU with "
+                "--device cpu")
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden is not None:
+        cause, fix = f"CUDA_VISIBLE_DEVICES={hidden!r} leaves torch none", "unset it or name GPUs that exist"
+    elif torch.version.cuda is None:
+        cause = f"torch {torch.__version__} is a CPU-only build"
+        fix = ("install a CUDA build of torch for your driver, e.g. `pip install torch --index-url "
+               "https://download.pytorch.org/whl/cu128` for a CUDA 12 driver (nvidia-smi shows its CUDA Version)")
+    else:
+        cause = (f"torch {torch.__version__}, built for CUDA {torch.version.cuda}, cannot use them "
+                 f"(torch.cuda.is_available() is False{driver_cuda_note()})")
+        fix = ("install the torch build for your driver's CUDA, e.g. `pip install torch --index-url "
+               "https://download.pytorch.org/whl/cu128` for a CUDA 12 driver, or update the driver")
+    return (f"{'--device cuda: ' * (flag == 'cuda')}this machine has NVIDIA GPUs ({', '.join(gpus)}), but {cause}: "
+            f"{fix}; or train on the CPU with --device cpu")
+
+
+def driver_cuda_note() -> str:
+    """"; the driver runs CUDA up to X" from nvidia-smi's header, or nothing where it says nothing."""
+    try:
+        header = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    found = re.search(r"CUDA Version:\s*([\d.]+)", header)
+    return f"; the driver runs CUDA up to {found.group(1)}" if found else ""
 
 
 def fp8_supported(device: torch.device) -> bool:

@@ -211,7 +211,7 @@ def test_speedrun_on_the_cpu_writes_its_rows_and_keeps_the_run_folder(tmp_path):
     # itself runs in the repository); the folder of --out is made
     proc = subprocess.run([sys.executable, "-m", "bench.run", "speedrun", "--data", "data", "--out", "results/run.json",
                            "--keep", str(keep), "--", "--preset=smoke", "--num_iterations=4", "--val_loss_every=2",
-                           "--val_tokens=1024", "--warmup_steps=0", "--log_every=1"],
+                           "--val_tokens=1024", "--warmup_steps=0", "--log_every=1", "--device=cpu"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=180,
                           env={**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
                                "PYTHONPATH": str(REPO),

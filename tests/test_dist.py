@@ -1,0 +1,79 @@
+"""runtime/dist.py: which device a run takes. --device auto trains on the CPU only where the machine has no GPU;
+where it has GPUs that torch cannot use, the run stops and says why (a CUDA build newer than the driver, a CPU-only
+build, CUDA_VISIBLE_DEVICES) instead of training the record model on the CPU."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime import dist
+from runtime.errors import UserError
+
+REPO = Path(__file__).resolve().parent.parent
+GPUS = ["/dev/nvidia0", "/dev/nvidia1"]
+
+
+@pytest.fixture
+def no_cuda(monkeypatch, tmp_path):
+    """torch sees no GPU; no CUDA_VISIBLE_DEVICES; an nvidia-smi that reports a CUDA 12.8 driver."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '| NVIDIA-SMI 570.86.15   Driver Version: 570.86.15   CUDA Version: 12.8     |'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    return monkeypatch
+
+
+def test_device_files_are_the_numbered_gpus(tmp_path):
+    for name in ("nvidia10", "nvidia2", "nvidia0", "nvidiactl", "nvidia-uvm", "nvidia-caps", "nvme0"):
+        (tmp_path / name).touch()
+    assert dist.nvidia_device_files(str(tmp_path)) == [str(tmp_path / f"nvidia{i}") for i in (0, 2, 10)]
+    assert dist.nvidia_device_files(str(tmp_path / "missing")) == []
+
+
+def test_auto_takes_the_cpu_only_where_there_is_no_gpu(no_cuda):
+    no_cuda.setattr(dist, "nvidia_device_files", lambda: [])
+    assert dist.choose_device("auto", 0) == torch.device("cpu")
+    with pytest.raises(UserError, match=r"^--device cuda, but no CUDA GPU is visible .*--device cpu$"):
+        dist.choose_device("cuda", 0)
+    no_cuda.setattr(dist, "nvidia_device_files", lambda: GPUS)
+    assert dist.choose_device("cpu", 0) == torch.device("cpu")  # asked for
+    with pytest.raises(UserError, match="^this machine has NVIDIA GPUs \\(/dev/nvidia0, /dev/nvidia1\\), but "):
+        dist.choose_device("auto", 0)
+
+
+def test_the_message_names_why_torch_sees_no_gpu(no_cuda):
+    def message(flag="auto"):
+        with pytest.raises(UserError) as error:
+            dist.choose_device(flag, 0)
+        return str(error.value)
+
+    no_cuda.setattr(dist, "nvidia_device_files", lambda: GPUS)
+    no_cuda.setattr(torch.version, "cuda", "13.0")
+    assert message() == (
+        f"this machine has NVIDIA GPUs (/dev/nvidia0, /dev/nvidia1), but torch {torch.__version__}, built for CUDA "
+        "13.0, cannot use them (torch.cuda.is_available() is False; the driver runs CUDA up to 12.8): install the "
+        "torch build for your driver's CUDA, e.g. `pip install torch --index-url https://download.pytorch.org/whl/"
+        "cu128` for a CUDA 12 driver, or update the driver; or train on the CPU with --device cpu")
+    assert message("cuda").startswith("--device cuda: this machine has NVIDIA GPUs")
+    no_cuda.setenv("PATH", "/nonexistent")  # no nvidia-smi: no driver note
+    assert "(torch.cuda.is_available() is False): install" in message()
+    no_cuda.setattr(torch.version, "cuda", None)
+    assert f"but torch {torch.__version__} is a CPU-only build: install a CUDA build of torch" in message()
+    no_cuda.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert "but CUDA_VISIBLE_DEVICES='' leaves torch none: unset it or name GPUs that exist; or train on" in message()
+
+
+@pytest.mark.gpu
+def test_a_gpu_machine_with_its_gpus_hidden_stops_instead_of_training_on_the_cpu(tmp_path):
+    """On a real GPU machine: the device files are found, and the run stops with status 2 before it writes."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "train_gpt2.py", "--preset=smoke", f"--log_dir={tmp_path}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "error: this machine has NVIDIA GPUs (/dev/nvidia0" in proc.stderr
+    assert "CUDA_VISIBLE_DEVICES='' leaves torch none" in proc.stderr and not list(tmp_path.iterdir())
