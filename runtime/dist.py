@@ -2,7 +2,11 @@
 import dataclasses
 import os
 import re
+import shutil
 import subprocess
+import sys
+import sysconfig
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,6 +38,7 @@ def choose_device(flag: str, local_rank: int) -> torch.device:
     if local_rank >= torch.cuda.device_count():
         raise UserError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} are visible; "
                         f"start torchrun with --nproc_per_node={torch.cuda.device_count()}")
+    check_kernel_toolchain()
     return torch.device("cuda", local_rank)
 
 
@@ -76,6 +81,32 @@ def driver_cuda_note() -> str:
         return ""
     found = re.search(r"CUDA Version:\s*([\d.]+)", header)
     return f"; the driver runs CUDA up to {found.group(1)}" if found else ""
+
+
+def check_kernel_toolchain() -> None:
+    """Refuse a CUDA device that Triton could not build kernels for: choose_device asks for every entry point
+    (train_gpt2 before anything is written, sample.py, evals.hellaswag).
+
+    The first time each kind of Triton kernel runs (ours, or inductor's), Triton compiles a small C extension: its
+    launcher. That takes a C compiler ($CC, else gcc, else clang) and Python's headers, looked up as Triton 3.6 does
+    (triton/runtime/build.py). Without them the run failed in the first kernel launch with the compiler's command
+    line, or FileNotFoundError, as its message (bench/results/triton_toolchain_1xH200.txt)."""
+    compiler = os.environ.get("CC")
+    if compiler:
+        no_compiler = "" if shutil.which(compiler) else f"a C compiler (CC={compiler!r} is not a program)"
+    else:
+        no_compiler = ("" if shutil.which("gcc") or shutil.which("clang") else
+                       "a C compiler (neither gcc nor clang is on PATH, and CC is unset)")
+    scheme = sysconfig.get_default_scheme()
+    header = Path(sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"],
+                  "Python.h")
+    no_headers = "" if header.is_file() else f"Python's headers ({header} is missing)"
+    missing = [need for need in (no_compiler, no_headers) if need]
+    if missing:
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        raise UserError(f"Triton, which builds this run's GPU kernels, needs {' and '.join(missing)}: install them "
+                        f"(Debian/Ubuntu: apt-get install gcc python{version}-dev), or run in the project's Docker "
+                        f"image")
 
 
 def fp8_supported(device: torch.device) -> bool:

@@ -1,9 +1,11 @@
 """runtime/dist.py: which device a run takes. --device auto trains on the CPU only where the machine has no GPU;
 where it has GPUs that torch cannot use, the run stops and says why (a CUDA build newer than the driver, a CPU-only
-build, CUDA_VISIBLE_DEVICES) instead of training the record model on the CPU."""
+build, CUDA_VISIBLE_DEVICES) instead of training the record model on the CPU. A CUDA run also stops where Triton
+lacks the C compiler or Python's headers that it builds its kernel launchers with."""
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -68,12 +70,57 @@ def test_the_message_names_why_torch_sees_no_gpu(no_cuda):
     assert "but CUDA_VISIBLE_DEVICES='' leaves torch none: unset it or name GPUs that exist; or train on" in message()
 
 
+def refused_smoke_run(log_dir: Path, **env: str) -> subprocess.CompletedProcess:
+    """train_gpt2's smoke preset with `env` added, which must stop with a user error (status 2)."""
+    proc = subprocess.run([sys.executable, "train_gpt2.py", "--preset=smoke", f"--log_dir={log_dir}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc
+
+
 @pytest.mark.gpu
 def test_a_gpu_machine_with_its_gpus_hidden_stops_instead_of_training_on_the_cpu(tmp_path):
     """On a real GPU machine: the device files are found, and the run stops with status 2 before it writes."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "train_gpt2.py", "--preset=smoke", f"--log_dir={tmp_path}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = refused_smoke_run(tmp_path, CUDA_VISIBLE_DEVICES="")
     assert "error: this machine has NVIDIA GPUs (/dev/nvidia0" in proc.stderr
     assert "CUDA_VISIBLE_DEVICES='' leaves torch none" in proc.stderr and not list(tmp_path.iterdir())
+
+
+def test_a_cuda_run_names_the_missing_compiler_or_headers(tmp_path, monkeypatch):
+    """Looked up as Triton does: $CC, else gcc, else clang on PATH; Python.h in sysconfig's include folder."""
+    include, bin_dir = tmp_path / "include", tmp_path / "bin"
+    include.mkdir()
+    bin_dir.mkdir()
+    (include / "Python.h").touch()
+    gcc = bin_dir / "gcc"
+    gcc.write_text("#!/bin/sh\n")
+    gcc.chmod(0o755)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda scheme=None: {"include": str(include)})
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.delenv("CC", raising=False)
+    dist.check_kernel_toolchain()  # all there: nothing to say
+    monkeypatch.setenv("CC", str(tmp_path / "cc"))
+    with pytest.raises(UserError, match=f"needs a C compiler \\(CC='{tmp_path}/cc' is not a program\\): install them"):
+        dist.check_kernel_toolchain()
+    monkeypatch.delenv("CC")
+    gcc.rename(bin_dir / "clang")  # either one serves
+    dist.check_kernel_toolchain()
+    (bin_dir / "clang").unlink()
+    (include / "Python.h").unlink()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    with pytest.raises(UserError) as error:
+        dist.check_kernel_toolchain()
+    assert str(error.value) == (
+        "Triton, which builds this run's GPU kernels, needs a C compiler (neither gcc nor clang is on PATH, and CC is "
+        f"unset) and Python's headers ({include}/Python.h is missing): install them (Debian/Ubuntu: apt-get install "
+        f"gcc python{version}-dev), or run in the project's Docker image")
+
+
+@pytest.mark.gpu
+def test_a_cuda_run_without_its_compiler_stops_before_it_writes(tmp_path):
+    """On the GPU: the check runs before anything is written (without it, the first kernel launch failed with
+    FileNotFoundError: '/nonexistent/cc', bench/results/triton_toolchain_1xH200.txt)."""
+    proc = refused_smoke_run(tmp_path, CC="/nonexistent/cc")
+    assert proc.stderr.startswith("error: Triton, which builds this run's GPU kernels, needs a C compiler "
+                                  "(CC='/nonexistent/cc' is not a program): install them"), proc.stderr
+    assert "Traceback" not in proc.stderr and not list(tmp_path.iterdir())
