@@ -58,7 +58,7 @@ def no_usable_gpu(flag: str, gpus: list[str]) -> str:
                 "/dev/nvidia0): check nvidia-smi (in Docker: docker run --gpus all), or train on the CPU with "
                 "--device cpu")
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if hidden is not None:
+    if hidden is not None and hides_every_gpu(hidden, len(gpus)):
         cause, fix = f"CUDA_VISIBLE_DEVICES={hidden!r} leaves torch none", "unset it or name GPUs that exist"
     elif torch.version.cuda is None:
         cause = f"torch {torch.__version__} is a CPU-only build"
@@ -71,6 +71,16 @@ def no_usable_gpu(flag: str, gpus: list[str]) -> str:
                "https://download.pytorch.org/whl/cu128` for a CUDA 12 driver, or update the driver")
     return (f"{'--device cuda: ' * (flag == 'cuda')}this machine has NVIDIA GPUs ({', '.join(gpus)}), but {cause}: "
             f"{fix}; or train on the CPU with --device cpu")
+
+
+def hides_every_gpu(visible: str, gpus: int) -> bool:
+    """Whether CUDA_VISIBLE_DEVICES=`visible` leaves CUDA no GPU on a machine of `gpus`: CUDA reads the list up to
+    its first entry that names none, so an empty or out-of-range first entry hides all. GPU and MIG UUIDs cannot be
+    checked here; they count as naming a GPU (schedulers such as SLURM set the variable on every job)."""
+    first = visible.split(",")[0].strip()
+    if first.startswith(("GPU-", "MIG-")):
+        return False
+    return not (first.isdigit() and int(first) < gpus)
 
 
 def driver_cuda_note() -> str:

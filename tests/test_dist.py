@@ -66,8 +66,12 @@ def test_the_message_names_why_torch_sees_no_gpu(no_cuda):
     assert "(torch.cuda.is_available() is False): install" in message()
     no_cuda.setattr(torch.version, "cuda", None)
     assert f"but torch {torch.__version__} is a CPU-only build: install a CUDA build of torch" in message()
-    no_cuda.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert "but CUDA_VISIBLE_DEVICES='' leaves torch none: unset it or name GPUs that exist; or train on" in message()
+    for hiding in ("", "-1", "2", "2,0", " "):  # CUDA stops at the first entry that names no GPU (here: 0 and 1)
+        no_cuda.setenv("CUDA_VISIBLE_DEVICES", hiding)
+        assert f"but CUDA_VISIBLE_DEVICES={hiding!r} leaves torch none: unset it or name GPUs that exist" in message()
+    for naming in ("1", "0,7", "GPU-8a1b", "MIG-77c0"):  # a GPU is named: the cause is elsewhere (SLURM sets it)
+        no_cuda.setenv("CUDA_VISIBLE_DEVICES", naming)
+        assert "is a CPU-only build" in message()
 
 
 def refused_smoke_run(log_dir: Path, **env: str) -> subprocess.CompletedProcess:
