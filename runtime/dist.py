@@ -49,6 +49,10 @@ def nvidia_device_files(dev: str = "/dev") -> list[str]:
     return [os.path.join(dev, name) for name in sorted(names, key=lambda name: int(name.removeprefix("nvidia")))]
 
 
+# the torch build a CUDA 12 driver runs, named in both messages below and in the README's first section
+CUDA12_TORCH = "`pip install torch --index-url https://download.pytorch.org/whl/cu128` for a CUDA 12 driver"
+
+
 def no_usable_gpu(flag: str, gpus: list[str]) -> str:
     """Why torch sees no GPU, and the fix. Where the machine has GPUs, --device auto stops here instead of training
     on the CPU: the torch that pip installs by default (2.14.1+cu130 here on 2026-12-01) cannot use a driver older
@@ -62,13 +66,11 @@ def no_usable_gpu(flag: str, gpus: list[str]) -> str:
         cause, fix = f"CUDA_VISIBLE_DEVICES={hidden!r} leaves torch none", "unset it or name GPUs that exist"
     elif torch.version.cuda is None:
         cause = f"torch {torch.__version__} is a CPU-only build"
-        fix = ("install a CUDA build of torch for your driver, e.g. `pip install torch --index-url "
-               "https://download.pytorch.org/whl/cu128` for a CUDA 12 driver (nvidia-smi shows its CUDA Version)")
+        fix = f"install a CUDA build of torch for your driver, e.g. {CUDA12_TORCH} (nvidia-smi shows its CUDA Version)"
     else:
         cause = (f"torch {torch.__version__}, built for CUDA {torch.version.cuda}, cannot use them "
                  f"(torch.cuda.is_available() is False{driver_cuda_note()})")
-        fix = ("install the torch build for your driver's CUDA, e.g. `pip install torch --index-url "
-               "https://download.pytorch.org/whl/cu128` for a CUDA 12 driver, or update the driver")
+        fix = f"install the torch build for your driver's CUDA, e.g. {CUDA12_TORCH}, or update the driver"
     return (f"{'--device cuda: ' * (flag == 'cuda')}this machine has NVIDIA GPUs ({', '.join(gpus)}), but {cause}: "
             f"{fix}; or train on the CPU with --device cpu")
 
