@@ -17,7 +17,6 @@ limit, as the step runs.
 """
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ import triton.language as tl
 
 from bench.mlp_kernels import error_of_max
 from bench.timing import failure, graph_ms
-from model import head, head_kernels
+from model import fp8, head, head_kernels
 
 N, V, D, SOFTCAP = 48 * 1024, 50304, 768, 15.0
 # (BLOCK_M over V, BLOCK_N over D, BLOCK_K over the tokens, stages, warps, imprecise accumulation)
@@ -84,9 +83,9 @@ def main():
     targets = torch.randint(0, V, (N,), device="cuda")
     _, u_NV, u_VN = head_kernels.loss_and_unit_grad_fp8(logits, targets, SOFTCAP, head.GRAD_FP8_SCALE)
     del logits
-    x_scale = torch.full((), math.sqrt(D) / head.E4M3_MAX, device="cuda")
     x = torch.nn.functional.rms_norm(torch.randn(N, D, device="cuda"), (D,))
-    x_op = head._to_e4m3(x, x_scale)
+    x_scale = fp8.normed_scale(x)
+    x_op = fp8.to_e4m3(x, x_scale)
     xt_DN = x_op.t().contiguous()  # main makes this copy too (head._col_major), for either path
     g_scale = torch.full((), 3.1e-5, device="cuda")  # a mean loss's bound over 2^15
     scale = (g_scale * x_scale).reshape(1)

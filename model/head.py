@@ -14,18 +14,18 @@ logits are the largest tensor (49,152 x 50,304 per micro-batch: 9.9 GB in fp32).
 
 FP8 (`fp8=True`, GPUs with compute capability 8.9+; modded-nanogpt's FP8 head, record of 2025-01-13): the
 three matrix products run in torch._scaled_mm with e4m3 inputs/weights and e5m2 gradients, per-tensor scales.
-The scales come from bounds, not from a history: the normed input has |x| <= sqrt(D) (its RMS is 1), the weight
-is scaled by its own absolute maximum, and the gradient is scaled by 2^15 times its bound (below).
+The scales come from bounds, not from a history: the normed input's and the weight's as model/fp8.py gives them,
+and the gradient's 2^15 times its bound (below).
 
 Shape legend: N tokens (flattened batch), D model dim, V vocab.
 """
-import math
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.fp8 import normed_scale, scale_of, to_e4m3
 from model.layers import norm
 
 try:  # the CUDA path's Triton kernels; CPU-only installs (CI) lack triton and run the torch ops below
@@ -34,7 +34,6 @@ except ImportError:
     head_kernels = None
 
 IGNORE_INDEX = -100  # targets equal to this contribute no loss (F.cross_entropy's default)
-E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # The unit gradient (softmax - onehot) * tanh' lies in [-1, 1]; 2^15 maps it below e5m2's max of 57,344 while
 # keeping values down to 2^-16 / 2^15 ~ 5e-10 of the bound out of the flush-to-zero range.
 GRAD_FP8_SCALE = 2.0 ** 15
@@ -62,17 +61,6 @@ def bounded_logsumexp(z_NV: Tensor, softcap: float) -> Tensor:
     head's forward reduction fell from 4.9 to 2.7 ms per 49,152-token micro-batch on the H200
     (torch.logsumexp reads the logits twice; bench/results/README.md)."""
     return softcap + torch.log(torch.exp(z_NV - softcap).sum(dim=-1))
-
-
-def _fp8_scale(t: Tensor) -> Tensor:
-    """Per-tensor e4m3 scale from the absolute maximum (an all-zero tensor, like the initial head, gets 1)."""
-    amax = t.abs().amax().float()
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-
-
-def _to_e4m3(t: Tensor, scale: Tensor) -> Tensor:
-    # the clamp guards rounding at the bound: an out-of-range cast would not saturate on every backend
-    return (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def _col_major(t: Tensor) -> Tensor:
@@ -138,10 +126,8 @@ class HeadLoss(torch.autograd.Function):
     def forward(ctx, x_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, softcap: float, fp8: bool,
                 with_grad: bool) -> Tensor:
         if fp8:
-            # normed rows have RMS 1, so |x| <= sqrt(D): a fixed scale that can never overflow
-            x_scale = torch.full((), math.sqrt(x_ND.size(-1)) / E4M3_MAX, device=x_ND.device)
-            w_scale = _fp8_scale(weight_VD)
-            x_op, w_op = _to_e4m3(x_ND, x_scale), _to_e4m3(weight_VD, w_scale)
+            x_scale, w_scale = normed_scale(x_ND), scale_of(weight_VD)
+            x_op, w_op = to_e4m3(x_ND, x_scale), to_e4m3(weight_VD, w_scale)
             logits_NV = torch._scaled_mm(x_op, w_op.t(), scale_a=x_scale, scale_b=w_scale,
                                          out_dtype=x_ND.dtype, use_fast_accum=True)
         else:

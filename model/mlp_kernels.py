@@ -46,6 +46,11 @@ Before it, cuBLAS's product wrote the MLP's output and an inductor kernel read i
 88 calls per step). Its sum is rounded once, not the product first. One kernel serves all three (_matmul_kernel,
 EPILOGUE).
 
+The forward's product also runs on e4m3 operands (relu2_matmul_fp8, model/fp8.py says why): the same kernel with
+128 bytes of K per operand row, W1 stored (F, D) as the 8-bit warpgroup MMA reads only K-major operands, and the
+scales' product applied to the accumulator before the ReLU². At the power limit it took 0.243 ms against the bf16
+kernel's 0.405 (bench/results/mlp_fp8_1xH200.json).
+
 The three are torch.library custom ops: torch.compile cannot trace Gluon kernels (its user-kernel support
 rewrites Triton source), so inductor calls them as opaque kernels. They run on compute capability 9 only (the
 warpgroup MMA is Hopper's); elsewhere ReLU2MLP runs the torch ops (supports()).
@@ -68,6 +73,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # 128 x 64 and 64 x 128 operand tiles, one output and one h (or residual) tile take 224 KB of the SM's 227 KB of
 # shared memory
 CONFIG = (128, 128, 64, 5, 4)
+# for e4m3 operands (relu2_matmul_fp8): 128 bytes of K per row as above, the fastest of 9 in
+# bench/results/mlp_fp8_1xH200.json (0.209 ms against 0.215-0.269)
+FP8_CONFIG = (128, 128, 128, 5, 4)
 SMEM_BYTES = 227 * 1024  # shared memory a block may opt into on compute capability 9.0 (CUDA C++ Programming Guide)
 
 
@@ -124,17 +132,18 @@ _RELU2, _RELU2_GRAD = gl.constexpr(RELU2), gl.constexpr(RELU2_GRAD)  # as the ke
 
 
 @gluon.jit
-def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, ACC_LAYOUT: gl.constexpr, KSTEPS: gl.constexpr,
+def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, scale_ptr, ACC_LAYOUT: gl.constexpr, KSTEPS: gl.constexpr,
                    STAGES: gl.constexpr, EPILOGUE: gl.constexpr, B_K_CONTIGUOUS: gl.constexpr,
-                   SHARED_TILE: gl.constexpr):
-    """out = EPILOGUE(A @ B) in out's dtype; t_desc is read only by the epilogues that take a tile (RELU2_GRAD,
-    ADD). B is (K, N), or (N, K) with B_K_CONTIGUOUS. Tiles past an edge read zeros and store nothing there (TMA).
+                   SHARED_TILE: gl.constexpr, SCALED: gl.constexpr):
+    """out = EPILOGUE(s * (A @ B)) in out's dtype, s = *scale_ptr with SCALED (FP8 operands' scales), else 1; t_desc
+    is read only by the epilogues that take a tile (RELU2_GRAD, ADD). B is (K, N), or (N, K) with B_K_CONTIGUOUS.
+    Tiles past an edge read zeros and store nothing there (TMA).
     With SHARED_TILE the t tile lands in the output's buffer, where shared memory holds no second tile beside the
     ring: each tile's t is then asked for halfway through its products, once the tile before has left the buffer."""
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
     READS_TILE: gl.constexpr = EPILOGUE != _RELU2
-    dtype: gl.constexpr = a_desc.dtype
+    dtype: gl.constexpr = out_desc.dtype
     tiles_n = gl.cdiv(out_desc.shape[1], BLOCK_N)
     tiles = gl.cdiv(out_desc.shape[0], BLOCK_M) * tiles_n
     start = gl.program_id(0)
@@ -148,7 +157,7 @@ def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, ACC_LAYOUT: gl.constexpr, K
         if SHARED_TILE:
             t_smem = out_smem
         else:
-            t_smem = gl.allocate_shared_memory(dtype, t_desc.block_type.shape, t_desc.layout)
+            t_smem = gl.allocate_shared_memory(t_desc.dtype, t_desc.block_type.shape, t_desc.layout)
         t_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(t_bar, count=1)
         _issue_tile(t_desc, t_smem, t_bar, start, tiles_n, my_tiles > 0)
@@ -179,6 +188,8 @@ def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, ACC_LAYOUT: gl.constexpr, K
                     _issue_tile(t_desc, t_smem, t_bar, tile, tiles_n, True)
             i += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
+        if SCALED:
+            acc = acc * gl.load(scale_ptr)
         if READS_TILE:
             mbarrier.wait(t_bar, local & 1)
             t = t_smem.load(ACC_LAYOUT).to(gl.float32)
@@ -208,26 +219,38 @@ def supports(a_MK: Tensor, b: Tensor) -> bool:
             and a_MK.size(1) % 8 == 0 and b.size(0) % 8 == 0 and b.size(1) % 8 == 0)
 
 
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
+
+
 @functools.cache
-def _shared_layout(block: tuple[int, int]):
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+def _shared_layout(block: tuple[int, int], dtype: torch.dtype = torch.bfloat16):
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
 
 
 def _descriptor(t: Tensor, block: tuple[int, int]) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(t, list(block), _shared_layout(block))
+    return TensorDescriptor.from_tensor(t, list(block), _shared_layout(block, t.dtype))
 
 
-def launch(a_MK: Tensor, b: Tensor, t_MN: Tensor | None, epilogue: int, config: tuple[int, ...] = CONFIG) -> Tensor:
+def launch(a_MK: Tensor, b: Tensor, t_MN: Tensor | None, epilogue: int, config: tuple[int, ...] = CONFIG,
+           scale: Tensor | None = None) -> Tensor:
     """The kernel on new output, EPILOGUE(a @ B): B = b (K, N) for RELU2 and RELU2_GRAD, B = b.t() for ADD (b is
-    then the (N, K) weight as stored); t_MN is the epilogue's tile source (None for RELU2). config as CONFIG."""
-    torch._check(supports(a_MK, b), lambda: "the MLP kernels take contiguous bf16 operands on a Hopper GPU, with K "
-                                            "and N multiples of 8 (model.mlp_kernels.supports)")
+    then the (N, K) weight as stored); t_MN is the epilogue's tile source (None for RELU2). config as CONFIG.
+    FP8 (e4m3) operands: b is always (N, K), as the warpgroup MMA reads 8-bit operands only K-major, the product is
+    multiplied by the 0-D fp32 `scale` (their scales' product) and the output is bf16."""
+    fp8 = a_MK.dtype == torch.float8_e4m3fn
+    if fp8:
+        torch._check(b.dtype == a_MK.dtype and scale is not None and a_MK.is_contiguous() and b.is_contiguous()
+                     and a_MK.size(1) % 16 == 0 and b.size(0) % 8 == 0,
+                     lambda: "FP8 operands come in pairs, contiguous, K a multiple of 16 and N of 8, with their scale")
+    else:
+        torch._check(supports(a_MK, b), lambda: "the MLP kernels take contiguous bf16 operands on a Hopper GPU, "
+                                                "with K and N multiples of 8 (model.mlp_kernels.supports)")
     torch._check((t_MN is None) == (epilogue == RELU2), lambda: "RELU2 reads no tile; the other epilogues need one")
-    b_k_contiguous = epilogue == ADD
+    b_k_contiguous = epilogue == ADD or fp8
     (M, K), N = a_MK.shape, b.size(0 if b_k_contiguous else 1)
     torch._check(b.size(1 if b_k_contiguous else 0) == K, lambda: f"the weight {tuple(b.shape)} does not take K={K}")
     block_m, block_n, block_k, stages, warps = config
-    out_MN = torch.empty((M, N), dtype=a_MK.dtype, device=a_MK.device)
+    out_MN = torch.empty((M, N), dtype=torch.bfloat16 if fp8 else a_MK.dtype, device=a_MK.device)
     out_desc = _descriptor(out_MN, (block_m, block_n))
     t_desc = out_desc if t_MN is None else _descriptor(t_MN, (block_m, block_n))
     b_desc = _descriptor(b, (block_n, block_k) if b_k_contiguous else (block_k, block_n))
@@ -235,14 +258,17 @@ def launch(a_MK: Tensor, b: Tensor, t_MN: Tensor | None, epilogue: int, config: 
     programs = min(tiles, torch.cuda.get_device_properties(a_MK.device).multi_processor_count)
     # the epilogue's tile gets a buffer of its own where the ring, the output's tile and it fit (1 KB left for the
     # barriers), else it shares the output's
-    ring_bytes, tile_bytes = stages * (block_m + block_n) * block_k * 2, block_m * block_n * 2
+    ring_bytes = stages * (block_m + block_n) * block_k * a_MK.element_size()
+    tile_bytes = block_m * block_n * out_MN.element_size()
     shared_tile = t_MN is not None and ring_bytes + 2 * tile_bytes + 1024 > SMEM_BYTES
     # the accumulator as the warpgroup MMA leaves it: warps stacked along M, one instruction spanning the tile's N
-    acc_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_n, 16])
+    # and 32 bytes of K
+    acc_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                           instr_shape=[16, block_n, 32 // a_MK.element_size()])
     _matmul_kernel[(programs,)](
-        _descriptor(a_MK, (block_m, block_k)), b_desc, out_desc, t_desc, ACC_LAYOUT=acc_layout,
-        KSTEPS=-(-K // block_k), STAGES=stages, EPILOGUE=epilogue, B_K_CONTIGUOUS=b_k_contiguous,
-        SHARED_TILE=shared_tile, num_warps=warps)
+        _descriptor(a_MK, (block_m, block_k)), b_desc, out_desc, t_desc, out_MN if scale is None else scale,
+        ACC_LAYOUT=acc_layout, KSTEPS=-(-K // block_k), STAGES=stages, EPILOGUE=epilogue,
+        B_K_CONTIGUOUS=b_k_contiguous, SHARED_TILE=shared_tile, SCALED=scale is not None, num_warps=warps)
     return out_MN
 
 
@@ -281,3 +307,14 @@ def matmul_add(h_MK: Tensor, w_NK: Tensor, r_MN: Tensor) -> Tensor:
 @matmul_add.register_fake
 def _(h_MK: Tensor, w_NK: Tensor, r_MN: Tensor) -> Tensor:
     return h_MK.new_empty(r_MN.shape)
+
+
+@torch.library.custom_op("speedrun::relu2_matmul_fp8", mutates_args=())
+def relu2_matmul_fp8(x8_MK: Tensor, w8_NK: Tensor, scale: Tensor) -> Tensor:
+    """relu(scale * x8 @ w8^T)^2 in bf16 for e4m3 operands, w8 stored (N, K): model.layers.relu2_matmul_fp8."""
+    return launch(x8_MK, w8_NK, None, RELU2, FP8_CONFIG, scale)
+
+
+@relu2_matmul_fp8.register_fake
+def _(x8_MK: Tensor, w8_NK: Tensor, scale: Tensor) -> Tensor:
+    return x8_MK.new_empty((x8_MK.size(0), w8_NK.size(0)), dtype=torch.bfloat16)
