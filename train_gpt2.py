@@ -148,10 +148,14 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
     mcfg = derived.model
     model = GPT(mcfg).to(device)
     model.init_weights()
-    dist.use_device_paths(model, device, fp8_head=cfg.fp8_head)
+    dist.use_device_paths(model, device, fp8_head=cfg.fp8_head, fp8_forward=cfg.fp8_forward)
     if cfg.fp8_head and cuda and not model.head.fp8:
         log.print(f"note: this GPU (compute capability {torch.cuda.get_device_capability(device)}) has no FP8 "
                   f"matrix units, so the LM head runs in bf16; pass --fp8_head 0 to make that explicit")
+    if cfg.fp8_forward and cuda and not dist.fp8_forward_supported(device):
+        log.print(f"note: the blocks' FP8 products are Hopper kernels (compute capability 9), and this GPU's is "
+                  f"{torch.cuda.get_device_capability(device)}, so they run in bf16; pass --fp8_forward 0 to make "
+                  f"that explicit")
     if cfg.compile:
         if cuda:
             use_static_launcher()

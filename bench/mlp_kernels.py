@@ -50,7 +50,7 @@ def plain_mlp(x, w1, w2, r):
 
 
 def fused_mlp(x, w1, w2, r):
-    return layers.ReLU2MLP.apply(x, w1, w2, r)
+    return layers.ReLU2MLP.apply(x, w1, w2, r, False)
 
 
 def forward_backward(fn, x, w1, w2, r, grad_y):

@@ -5,7 +5,8 @@ gradients: FanOut (one tensor, many readers) and TableRows (embedding rows whose
 table's, on CUDA through the Triton kernel of model/embed_kernels.py).
 
 Weights are fp32 master copies, cast to the activation dtype where they are used (`.type_as(x)`), so the
-optimizer always updates fp32 while the matmuls run in bf16. Construction only declares shapes (`torch.empty`);
+optimizer always updates fp32 while the matmuls run in bf16, or with `fp8` (Attention, MLP) the two forward products
+that read a normed input in FP8 (model/fp8.py). Construction only declares shapes (`torch.empty`);
 `init_weights()` assigns values.
 
 Shape legend: B batch rows, T tokens, D model dim, H heads, d head dim, A = H * d attention width,
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from model.attention import attend
+from model.fp8 import NormedFP8Linear, normed_scale, scale_of, to_e4m3
 
 try:  # the CUDA path's Triton kernels; CPU-only installs (CI) lack triton and run the torch ops below
     from model import embed_kernels, mlp_kernels, norm_kernels, qkv_kernels, skip_kernels
@@ -159,6 +161,7 @@ class Attention(nn.Module):
         # sigmoid(w_h . x[:G]), read from only the first G = D / 64 channels of the block's normed input, so a head
         # can switch itself off for a token at almost no cost (the gated attention of Qiu et al. 2025, made sparse)
         self.gate_w = nn.Parameter(torch.empty(num_heads, max(1, dim // GATE_FRACTION))) if gate else None
+        self.fp8 = False  # the q, k, v projection in FP8 (model/fp8.py); set by runtime.dist.use_device_paths
 
     def init_weights(self) -> None:
         _uniform_(self.qkv_w, 0.5 * self.qkv_w.size(-1) ** -0.5)  # std 0.5 / sqrt(fan_in): modded-nanogpt
@@ -174,7 +177,8 @@ class Attention(nn.Module):
         x's first G channels (mix_norm), read by the gate."""
         B, T, _ = x_BTD.shape
         H, d = self.num_heads, self.head_dim
-        qkv_BT3Hd = F.linear(x_BTD, self.qkv_w.flatten(0, 1).type_as(x_BTD)).view(B, T, 3 * H, d)
+        qkv_w = self.qkv_w.flatten(0, 1).type_as(x_BTD)
+        qkv_BT3Hd = (NormedFP8Linear.apply if self.fp8 else F.linear)(x_BTD, qkv_w).view(B, T, 3 * H, d)
         on_kernels = x_BTD.is_cuda and qkv_kernels is not None and qkv_kernels.supports(d)
         q_BTHd, k_BTHd, v_BTHd = (QKVPrep.apply if on_kernels else qkv_prep)(
             qkv_BT3Hd, cos_TP, sin_TP, self.value_lambdas, v_first_BTHd, ve_BTA)
@@ -193,6 +197,12 @@ def relu2_matmul(x_MK: Tensor, w_KN: Tensor) -> Tensor:
     return F.relu(x_MK @ w_KN).square()
 
 
+def relu2_matmul_fp8(x8_MK: Tensor, w8_NK: Tensor, scale: Tensor) -> Tensor:
+    """relu(scale * x8 @ w8^T)^2 in bf16 for e4m3 operands (w8 stored (N, K), K-major) in fp32 torch ops:
+    ReLU2MLP's FP8 path off CUDA and the reference of model/mlp_kernels.py's kernel of the same name."""
+    return relu2_matmul(x8_MK.float(), w8_NK.float().t() * scale).bfloat16()
+
+
 def relu2_matmul_grad(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor) -> Tensor:
     """The gradient of h = relu(pre)^2 w.r.t. pre, (grad_y @ w) * 2 relu(pre), from h itself: relu(pre) = sqrt(h)."""
     return (grad_y_MK @ w_KN) * (2.0 * h_MN.sqrt())
@@ -205,20 +215,30 @@ def matmul_add(h_MK: Tensor, w_NK: Tensor, r_MN: Tensor) -> Tensor:
 
 
 # ReLU2MLP's ops off the kernels: the torch functions above, under the kernels' names
-TORCH_OPS = SimpleNamespace(relu2_matmul=relu2_matmul, relu2_matmul_grad=relu2_matmul_grad, matmul_add=matmul_add)
+TORCH_OPS = SimpleNamespace(relu2_matmul=relu2_matmul, relu2_matmul_fp8=relu2_matmul_fp8,
+                            relu2_matmul_grad=relu2_matmul_grad, matmul_add=matmul_add)
 
 
 class ReLU2MLP(torch.autograd.Function):
     """r + relu(x @ W1)^2 @ W2^T for x (M, D), W1, W2 (D, F) in x's dtype and the residual stream r (M, D), keeping
     only x, the weights and the hidden h = relu(x @ W1)^2 for backward. On Hopper GPUs all three products that make
     or use the (M, F) hidden tensor run in the Gluon kernels of model/mlp_kernels.py, with the ReLU² and the residual's
-    add in their epilogues; elsewhere in the torch ops above (same names, same results)."""
+    add in their epilogues; elsewhere in the torch ops above (same names, same results).
+
+    With fp8, the first product reads e4m3 copies of x (normed: model/fp8.py's fixed scale) and of W1, and writes h
+    in bf16; the backward is the same bf16 backward, at that h."""
 
     @staticmethod
-    def forward(ctx, x_MD: Tensor, fc_DF: Tensor, proj_DF: Tensor, r_MD: Tensor) -> Tensor:
+    def forward(ctx, x_MD: Tensor, fc_DF: Tensor, proj_DF: Tensor, r_MD: Tensor, fp8: bool) -> Tensor:
         on_kernels = mlp_kernels is not None and mlp_kernels.supports(x_MD, fc_DF)
         ops = mlp_kernels if on_kernels else TORCH_OPS
-        h_MF = ops.relu2_matmul(x_MD, fc_DF)
+        if fp8:
+            x_scale, w_scale = normed_scale(x_MD), scale_of(fc_DF)
+            # W1 transposed to (F, D): the warpgroup MMA reads 8-bit operands only K-major
+            h_MF = ops.relu2_matmul_fp8(to_e4m3(x_MD, x_scale), to_e4m3(fc_DF.t(), w_scale).contiguous(),
+                                        x_scale * w_scale).type_as(x_MD)
+        else:
+            h_MF = ops.relu2_matmul(x_MD, fc_DF)
         ctx.save_for_backward(x_MD, fc_DF, proj_DF, h_MF)
         ctx.on_kernels = on_kernels
         return ops.matmul_add(h_MF, proj_DF, r_MD)
@@ -228,7 +248,7 @@ class ReLU2MLP(torch.autograd.Function):
         x_MD, fc_DF, proj_DF, h_MF = ctx.saved_tensors
         grad_y_MD = grad_y_MD.contiguous()
         grad_pre_MF = (mlp_kernels if ctx.on_kernels else TORCH_OPS).relu2_matmul_grad(grad_y_MD, proj_DF, h_MF)
-        return grad_pre_MF @ fc_DF.t(), x_MD.t() @ grad_pre_MF, grad_y_MD.t() @ h_MF, grad_y_MD
+        return grad_pre_MF @ fc_DF.t(), x_MD.t() @ grad_pre_MF, grad_y_MD.t() @ h_MF, grad_y_MD, None
 
 
 class MLP(nn.Module):
@@ -239,6 +259,7 @@ class MLP(nn.Module):
         # whose learning rate we use (stored (F, D) it would get twice the step)
         self.fc_w = nn.Parameter(torch.empty(dim, hidden_dim))
         self.proj_w = nn.Parameter(torch.empty(dim, hidden_dim))
+        self.fp8 = False  # the first product in FP8 (ReLU2MLP); set by runtime.dist.use_device_paths
 
     def init_weights(self) -> None:
         _uniform_(self.fc_w, 0.5 * self.fc_w.size(0) ** -0.5)  # std 0.5 / sqrt(fan_in): modded-nanogpt
@@ -248,7 +269,7 @@ class MLP(nn.Module):
         """residual + the MLP of x: the residual stream after the MLP."""
         x_MD = x_BTD.flatten(0, 1)
         y_MD = ReLU2MLP.apply(x_MD, self.fc_w.type_as(x_MD), self.proj_w.type_as(x_MD),
-                              residual_BTD.flatten(0, 1).contiguous())
+                              residual_BTD.flatten(0, 1).contiguous(), self.fp8)
         return y_MD.view_as(x_BTD)
 
 

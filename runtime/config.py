@@ -51,6 +51,8 @@ class TrainConfig:
     backout: bool = False  # the head sees the last block's output less 0.2 (learned) of the mid-stream; not in #28
     logit_softcap: float = 15.0  # cap * tanh(logits / cap) (Gemma 2); 15 since modded-nanogpt's 2025-01-04 record
     fp8_head: bool = True  # LM head matmuls in FP8 on GPUs that have it (compute capability 8.9+), bf16 elsewhere
+    # the blocks' two forward products that read a normed input in FP8: their backward stays bf16 (model/fp8.py)
+    fp8_forward: bool = True  # attention's qkv and the MLP's first product in FP8 on Hopper GPUs, bf16 elsewhere
     # optimization
     num_iterations: int = 1750  # optimizer steps, about the length of the mid-2025 records
     cooldown_frac: float = 0.45  # last fraction of steps over which the learning rate decays (record #28)
@@ -118,10 +120,12 @@ PRESETS: dict[str, dict] = {
 }
 
 # Fields that never change the training math: a resumed run may differ in these and still be the same run.
-# compile and fp8_head change only rounding (kernels, precision of the same math), so a run can move between GPUs.
+# compile, fp8_head and fp8_forward change only rounding (kernels, precision of the same math), so a run can move
+# between GPUs.
 # device_batch_size only regroups the same sequences into micro-steps (the loader's position is global), as a
 # different number of GPUs does: the advice for memory errors, a smaller device batch, must not block a resume.
 RESUME_MAY_CHANGE = {"resume", "log_dir", "checkpoint_every", "val_loss_every", "log_every", "compile", "fp8_head",
+                     "fp8_forward",
                      "warmup_steps", "device", "hellaswag", "hellaswag_file", "val_files", "val_tokens", "val_context",
                      "preset", "device_batch_size"}
 BLOCK_SIZE = 128  # FlexAttention's tile: packed sequences are cut into blocks of this many tokens

@@ -126,17 +126,30 @@ def fp8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def use_device_paths(model, device: torch.device, fp8_head: bool = False) -> None:
+def fp8_forward_supported(device: torch.device) -> bool:
+    """The MLP's FP8 product is a Gluon kernel for Hopper's warpgroup MMA (model/mlp_kernels.py): compute
+    capability 9."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def use_device_paths(model, device: torch.device, fp8_head: bool = False, fp8_forward: bool = False) -> None:
     """Pick the model's kernels for `device`. FlexAttention has no CPU backward, so on the CPU the same mask
     runs through SDPA (tests prove the two equal); CPUs without bf16 units emulate it slowly, so CPU math is fp32.
     The LM head's fused loss saves GPU memory and time; on the CPU plain F.cross_entropy is faster. It runs in
-    FP8 when asked for and the GPU has it."""
+    FP8 when asked for and the GPU has it; so do the blocks' forward products that read a normed input."""
     cuda = device.type == "cuda"
     model.attention_backend = "flex" if cuda else "sdpa"
     if not cuda:
         model.compute_dtype = torch.float32
     model.head.fused = cuda
     model.head.fp8 = fp8_head and fp8_supported(device)
+    # the FP8 operands' rows (D wide) and the products' outputs must be 16-byte aligned (TMA, cuBLAS)
+    c = model.config
+    fp8_fits = c.model_dim % 16 == 0 and (c.num_heads * c.head_dim) % 16 == 0
+    for block in model.blocks:
+        for part in (block.attn, block.mlp):
+            if part is not None:
+                part.fp8 = fp8_forward and fp8_fits and fp8_forward_supported(device)
 
 
 def setup(device_flag: str) -> Runtime:

@@ -37,13 +37,21 @@ def plain_mlp(x, w1, w2, r):
     return r + F.relu(x @ w1).square() @ w2.t()
 
 
+def fused_mlp(x, w1, w2, r):
+    return layers.ReLU2MLP.apply(x, w1, w2, r, False)
+
+
+def fp8_mlp(x, w1, w2, r):
+    return layers.ReLU2MLP.apply(x, w1, w2, r, True)
+
+
 # --- CPU, torch ops -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 def test_function_matches_autograd(dtype, rtol):
     """Output and all three gradients equal autograd's through relu(pre)^2, though the Function takes relu(pre)
     from sqrt(h): to rounding in fp64 and fp32."""
     args = operands(37, 16, 64, dtype, "cpu")
-    for got, want in zip(grads(layers.ReLU2MLP.apply, *args), grads(plain_mlp, *args), strict=True):
+    for got, want in zip(grads(fused_mlp, *args), grads(plain_mlp, *args), strict=True):
         torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * want.abs().max().item())
 
 
@@ -52,7 +60,7 @@ def test_function_matches_autograd_in_bf16():
     within 1% of fp64 autograd's largest value, as autograd's own bf16 gradients do."""
     args = operands(64, 32, 128, torch.bfloat16, "cpu")
     want = grads(plain_mlp, *[t.double() for t in args])
-    for got, own, exact in zip(grads(layers.ReLU2MLP.apply, *args), grads(plain_mlp, *args), want, strict=True):
+    for got, own, exact in zip(grads(fused_mlp, *args), grads(plain_mlp, *args), want, strict=True):
         scale = exact.abs().max().item()
         assert (own.double() - exact).abs().max().item() < 1e-2 * scale  # the bound is not loose for autograd
         torch.testing.assert_close(got.double(), exact, rtol=0, atol=1e-2 * scale)
@@ -136,7 +144,7 @@ def test_function_on_gpu_matches_autograd():
     largest value, and at least as close to fp64 as autograd's (within 10% of its error)."""
     args = operands(4096, 768, 3072, torch.bfloat16, "cuda")
     exact = grads(plain_mlp, *[t.double() for t in args])
-    for got, own, want in zip(grads(layers.ReLU2MLP.apply, *args), grads(plain_mlp, *args), exact, strict=True):
+    for got, own, want in zip(grads(fused_mlp, *args), grads(plain_mlp, *args), exact, strict=True):
         err, own_err = (got.double() - want).abs().max().item(), (own.double() - want).abs().max().item()
         assert err < 1e-2 * want.abs().max().item() and err <= 1.1 * own_err, (err, own_err)
 
@@ -150,13 +158,10 @@ def test_compiled_function_calls_the_kernels_without_copies():
 
     args = operands(4096, 768, 3072, torch.bfloat16, "cuda")
 
-    def mlp(x, w1, w2, r):
-        return layers.ReLU2MLP.apply(x, w1, w2, r)
-
-    got, codes = run_and_get_code(grads, torch.compile(mlp, dynamic=False), *args)
+    got, codes = run_and_get_code(grads, torch.compile(fused_mlp, dynamic=False), *args)
     code = "\n".join(codes)
     assert sorted(re.findall(r"torch\.ops\.speedrun\.(\w+)\.default\(", code)) == ["matmul_add", "relu2_matmul",
                                                                                    "relu2_matmul_grad"]
     assert re.findall(r"(\w+)\.run\(", code) == []
-    for a, b in zip(got, grads(mlp, *args), strict=True):
+    for a, b in zip(got, grads(fused_mlp, *args), strict=True):
         torch.testing.assert_close(a, b)

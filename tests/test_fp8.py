@@ -1,0 +1,177 @@
+"""The blocks' FP8 forward products (model/fp8.py, ReLU2MLP's fp8 path in model/layers.py): the e4m3 copies and their
+scales, the products against fp32 torch ops on the same FP8 values, and the backward against bf16 autograd's.
+The MLP's FP8 kernel runs on a Hopper GPU only (`pytest -m gpu`); torch._scaled_mm runs on the CPU too."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import output_and_grads as grads
+from model import layers
+from model.fp8 import E4M3_MAX, NormedFP8Linear, normed_scale, scale_of, to_e4m3
+from model.config import GPTConfig
+from model.gpt import GPT
+from runtime.dist import use_device_paths
+
+gpu = pytest.mark.gpu
+hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                            reason="the Gluon kernels need a Hopper GPU (compute capability 9)")
+E4M3_RTOL = 2.0 ** -4  # half a unit in the last place of e4m3's 3 mantissa bits
+
+
+def normed(m, k, device="cpu", seed=0):
+    g = torch.Generator(device).manual_seed(seed)
+    return F.rms_norm(torch.randn(m, k, generator=g, device=device), (k,))
+
+
+def test_the_normed_bound_maps_to_e4m3_max_and_nothing_overflows():
+    """A row with all its mass in one channel, sqrt(D) (RMS 1), becomes exactly E4M3_MAX; other normed values keep
+    e4m3's relative precision (those in its normal range, above 2^-6 after scaling)."""
+    d = 768
+    x = torch.zeros(2, d)
+    x[0, 5] = -(d ** 0.5)
+    x[1] = normed(1, d)
+    scale = normed_scale(x)
+    x8 = to_e4m3(x, scale)
+    assert x8[0, 5].float().item() == -E4M3_MAX and torch.isfinite(x8.float()).all()
+    back, row = x8[1].float() * scale, x[1]
+    in_range = row.abs() / scale >= 2.0 ** -6
+    assert in_range.float().mean() > 0.99
+    torch.testing.assert_close(back[in_range], row[in_range], rtol=E4M3_RTOL, atol=0)
+    assert (back - row).abs().max() > 1e-3  # it did round to 3 mantissa bits
+
+
+def test_a_zero_weight_gets_scale_one():
+    """A zero-initialised weight (the output projections') must not divide by zero."""
+    assert scale_of(torch.zeros(4, 4)).item() == 1.0
+    assert scale_of(torch.tensor([[0.5, -896.0]])).item() == 2.0
+
+
+def test_normed_fp8_linear_is_the_product_of_the_e4m3_copies_and_backs_off_to_f_linear():
+    """Forward: torch._scaled_mm of the two e4m3 copies, equal to fp32 ops on the same FP8 values, and within a few
+    e4m3 roundings of the exact product. Backward: F.linear's own gradients of the same (unrounded) operands."""
+    x = normed(2 * 37, 64).view(2, 37, 64)
+    w = torch.randn(96, 64) * 0.05
+    grad = torch.randn(2, 37, 96)
+    out, gx, gw = grads(NormedFP8Linear.apply, x, w, grad)
+    x_scale, w_scale = normed_scale(x), scale_of(w)
+    on_fp8 = (to_e4m3(x, x_scale).float() * x_scale) @ (to_e4m3(w, w_scale).float() * w_scale).t()
+    torch.testing.assert_close(out, on_fp8, rtol=1e-5, atol=1e-5)
+    exact = F.linear(x.double(), w.double())
+    err = (out.double() - exact).abs().max() / exact.abs().max()
+    assert 1e-3 < err < 0.1, err
+    want_out, *want_grads = grads(F.linear, x, w, grad)
+    for got, want in zip((gx, gw), want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_mlp_on_torch_ops():
+    """ReLU2MLP with fp8 off the kernels: h from relu2_matmul_fp8 of the e4m3 copies, the output r + h @ W2^T, the
+    backward the bf16 one at that h (grad W2 = grad_y^T h exactly); everything within FP8's error of the bf16 MLP."""
+    m, d, f = 64, 32, 128
+    g = torch.Generator().manual_seed(1)
+    x = normed(m, d).bfloat16()
+    w1, w2 = [(torch.randn(d, f, generator=g) * d ** -0.5).bfloat16() for _ in range(2)]
+    r, grad_y = [torch.randn(m, d, generator=g).bfloat16() for _ in range(2)]
+
+    def fp8_mlp(*a):
+        return layers.ReLU2MLP.apply(*a, True)
+
+    def bf16_mlp(*a):
+        return layers.ReLU2MLP.apply(*a, False)
+
+    got = grads(fp8_mlp, x, w1, w2, r, grad_y)
+    x_scale, w_scale = normed_scale(x), scale_of(w1)
+    x8, w8 = to_e4m3(x, x_scale), to_e4m3(w1.t(), w_scale).contiguous()
+    h = layers.relu2_matmul_fp8(x8, w8, x_scale * w_scale)
+    exact_h = F.relu((x8.double() @ w8.double().t()) * (x_scale * w_scale).double()).square()
+    torch.testing.assert_close(h.double(), exact_h, rtol=2.0 ** -8, atol=0)  # one bf16 rounding
+    torch.testing.assert_close(got[0], layers.matmul_add(h, w2, r))
+    torch.testing.assert_close(got[3], (grad_y.t() @ h).to(torch.bfloat16), rtol=0, atol=0)
+    want = grads(bf16_mlp, x, w1, w2, r, grad_y)
+    for a, b in zip(got, want, strict=True):
+        scale = b.float().abs().max()
+        assert (a.float() - b.float()).abs().max() < 0.1 * scale
+    assert (got[3].float() - want[3].float()).abs().max() > 0  # h differs: the first product was FP8
+
+
+def small_model(dim=64):
+    return GPT(GPTConfig(num_layers=2, model_dim=dim, num_heads=2, head_dim=dim // 2,
+                         num_value_embeds=1))
+
+
+def fp8_parts(model):
+    return [part.fp8 for b in model.blocks for part in (b.attn, b.mlp) if part is not None]
+
+
+def test_fp8_stays_off_where_its_kernels_cannot_run():
+    """On the CPU (and any GPU but Hopper) --fp8_forward leaves every block in bf16."""
+    model = small_model()
+    use_device_paths(model, torch.device("cpu"), fp8_forward=True)
+    assert fp8_parts(model) == [False] * 4
+
+
+@gpu
+@hopper
+def test_fp8_is_on_for_every_block_on_hopper_where_the_widths_allow():
+    """On, off as asked; and off for a width whose FP8 rows would not be 16-byte aligned (8 channels)."""
+    model = small_model()
+    use_device_paths(model, torch.device("cuda"), fp8_forward=True)
+    assert fp8_parts(model) == [True] * 4
+    use_device_paths(model, torch.device("cuda"), fp8_forward=False)
+    assert fp8_parts(model) == [False] * 4
+    narrow = small_model(dim=8)
+    use_device_paths(narrow, torch.device("cuda"), fp8_forward=True)
+    assert fp8_parts(narrow) == [False] * 4
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("m, k, n", [(49152, 768, 3072), (300, 80, 520), (4100, 80, 1032)])
+def test_fp8_kernel_matches_torch_ops_on_the_same_values(m, k, n):
+    """The Gluon kernel on e4m3 operands against fp64 ops on the same values, at the record's shape and sizes off
+    every tile (300 = 2 x 128 + 44 rows, 80 < one k-step of 128, 520 = 4 x 128 + 8). Hopper's FP8 MMA sums the
+    products of each instruction (32 along K) with about 14 bits below the largest (DeepSeek-V3 technical report,
+    2024), so a pre-activation p may be off by d <= 32 * 2^-14 = 2^-9 times the sum of its terms' magnitudes; h =
+    relu(p)^2 then by at most (2|p| + d) d, plus one bf16 rounding of h (2^-9 relative, 2^-8 allowed). Tighter
+    bounds failed: 2^-8 of each h by up to 0.0042 relative, 2^-12 for d by 0.004 absolute at the record's shape."""
+    from model import mlp_kernels
+
+    x = normed(m, k, "cuda").bfloat16()
+    w = (torch.randn(k, n, device="cuda") * 0.5 * k ** -0.5).bfloat16()
+    x_scale, w_scale = normed_scale(x), scale_of(w)
+    x8, w8 = to_e4m3(x, x_scale), to_e4m3(w.t(), w_scale).contiguous()
+    scale = x_scale * w_scale
+    got = mlp_kernels.relu2_matmul_fp8(x8, w8, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    x64, w64, s64 = x8.double(), w8.double().t(), scale.double()
+    pre = (x64 @ w64) * s64
+    want = F.relu(pre).square()
+    d = 2.0 ** -9 * (x64.abs() @ w64.abs()) * s64  # from the sum of |x_k w_k| behind each pre-activation
+    bound = 2.0 ** -8 * want + (2.0 * pre.abs() + d) * d
+    err = (got.double() - want).abs()
+    assert (err <= bound).all(), (err - bound).max().item()
+    assert err.max() > 0  # not trivially equal: the check compares two computations
+
+
+@gpu
+@hopper
+def test_compiled_fp8_mlp_calls_the_fp8_kernel():
+    """Under torch.compile the FP8 path calls the FP8 kernel's custom op in the forward and the bf16 kernels after
+    it, and gives the eager results."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    g = torch.Generator("cuda").manual_seed(0)
+    x = normed(4096, 768, "cuda").bfloat16()
+    w1, w2 = [(torch.randn(768, 3072, generator=g, device="cuda") * 768 ** -0.5).bfloat16() for _ in range(2)]
+    r, grad_y = [torch.randn(4096, 768, generator=g, device="cuda").bfloat16() for _ in range(2)]
+
+    def fp8_mlp(*a):
+        return layers.ReLU2MLP.apply(*a, True)
+
+    got, codes = run_and_get_code(grads, torch.compile(fp8_mlp, dynamic=False), x, w1, w2, r, grad_y)
+    ops = sorted(re.findall(r"torch\.ops\.speedrun\.(\w+)\.default\(", "\n".join(codes)))
+    assert ops == ["matmul_add", "relu2_matmul_fp8", "relu2_matmul_grad"]
+    for a, b in zip(got, grads(fp8_mlp, x, w1, w2, r, grad_y), strict=True):
+        torch.testing.assert_close(a, b)
