@@ -23,18 +23,12 @@ from bench.mlp_kernels import D, error_of_max, tflops, training_problem
 from bench.power import REST_S, run_kind
 from bench.timing import failure, graph_ms
 from model import layers, mlp_kernels
-from model.fp8 import normed_scale, scale_of, to_e4m3
+from model.fp8 import normed_operands
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps); 128 bytes of K per operand row (64 bf16, 128 e4m3) is the widest
 # swizzle
 FP8_CONFIGS = [(128, 128, 128, stages, warps) for warps in (4, 8) for stages in (3, 4, 5)] + [
     (128, 256, 128, 3, 8), (128, 256, 64, 4, 8), (128, 256, 64, 5, 8)]
-
-
-def fp8_operands(x_MD: torch.Tensor, w_DN: torch.Tensor):
-    """(x8 (M, D), w8 (N, D), scale): x by its bound sqrt(D), w by its absolute maximum, w stored K-major."""
-    x_scale, w_scale = normed_scale(x_MD), scale_of(w_DN)
-    return to_e4m3(x_MD, x_scale), to_e4m3(w_DN.t(), w_scale).contiguous(), x_scale * w_scale
 
 
 def main():
@@ -43,7 +37,7 @@ def main():
     args = ap.parse_args()
 
     x, w1, *_ = training_problem()
-    x8, w8, scale = fp8_operands(x, w1)
+    x8, w8, scale = normed_operands(x, w1)
     on_fp8 = layers.relu2_matmul(x8.float(), w8.float().t()) * scale ** 2  # relu(s p)^2 = s^2 relu(p)^2
     exact = layers.relu2_matmul(x.float(), w1.float())
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -69,7 +63,7 @@ def main():
         print(row, flush=True)
 
     wq = (torch.randn(3 * D, D, device="cuda") * 0.5 * D ** -0.5).bfloat16()  # the qkv weight, (3 A, D)
-    q8, wq8, q_scale = fp8_operands(x, wq.t())
+    q8, wq8, q_scale = normed_operands(x, wq.t())
     one = torch.ones_like(q_scale)
     qkv_bf16 = lambda: x @ wq.t()  # noqa: E731
     qkv_fp8 = lambda: torch._scaled_mm(q8, wq8.t(), scale_a=q_scale, scale_b=one,  # noqa: E731

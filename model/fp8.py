@@ -32,6 +32,13 @@ def to_e4m3(t: Tensor, scale: Tensor) -> Tensor:
     return (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+def normed_operands(x_MK: Tensor, w_KN: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(x8 (M, K), w8 (N, K), scale) for x @ w: the e4m3 copies of normed rows x and of w (K, N), w's stored K-major
+    as Hopper's 8-bit warpgroup MMA reads both operands, and the product of their scales."""
+    x_scale, w_scale = normed_scale(x_MK), scale_of(w_KN)
+    return to_e4m3(x_MK, x_scale), to_e4m3(w_KN.t(), w_scale).contiguous(), x_scale * w_scale
+
+
 class NormedFP8Linear(torch.autograd.Function):
     """x @ w^T for normed rows x (..., K) and a weight w (N, K) in x's dtype: the product in FP8 (torch._scaled_mm,
     e4m3 operands, fp32 accumulation, output in x's dtype); the backward in x's dtype from the saved x and w, the

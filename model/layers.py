@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from model.attention import attend
-from model.fp8 import NormedFP8Linear, normed_scale, scale_of, to_e4m3
+from model.fp8 import NormedFP8Linear, normed_operands
 
 try:  # the CUDA path's Triton kernels; CPU-only installs (CI) lack triton and run the torch ops below
     from model import embed_kernels, mlp_kernels, norm_kernels, qkv_kernels, skip_kernels
@@ -233,10 +233,7 @@ class ReLU2MLP(torch.autograd.Function):
         on_kernels = mlp_kernels is not None and mlp_kernels.supports(x_MD, fc_DF)
         ops = mlp_kernels if on_kernels else TORCH_OPS
         if fp8:
-            x_scale, w_scale = normed_scale(x_MD), scale_of(fc_DF)
-            # W1 transposed to (F, D): the warpgroup MMA reads 8-bit operands only K-major
-            h_MF = ops.relu2_matmul_fp8(to_e4m3(x_MD, x_scale), to_e4m3(fc_DF.t(), w_scale).contiguous(),
-                                        x_scale * w_scale).type_as(x_MD)
+            h_MF = ops.relu2_matmul_fp8(*normed_operands(x_MD, fc_DF)).type_as(x_MD)
         else:
             h_MF = ops.relu2_matmul(x_MD, fc_DF)
         ctx.save_for_backward(x_MD, fc_DF, proj_DF, h_MF)
