@@ -39,6 +39,17 @@ def normed_operands(x_MK: Tensor, w_KN: Tensor) -> tuple[Tensor, Tensor, Tensor]
     return to_e4m3(x_MK, x_scale), to_e4m3(w_KN.t(), w_scale).contiguous(), x_scale * w_scale
 
 
+def relu2_scale(w8_NK: Tensor, scale: Tensor) -> Tensor:
+    """The e4m3 scale of h = relu(p)^2, p = scale * x8 @ w8^T, for x8 the e4m3 copy of normed rows (normed_operands),
+    from the weight alone, with no pass over h: |p| <= scale |x8 row| |w8 row| (Cauchy-Schwarz), and the copy of a
+    row of RMS 1 has norm sqrt(D) / normed_scale = E4M3_MAX up to its elements' roundings (bf16's 2^-9 and e4m3's
+    2^-4 of each) and the product's accumulation (2^-9 of the terms' magnitudes, tests/test_fp8.py), which the
+    margin 1 + 2^-3 covers. Pre-activations far below the bound put small h among e4m3's subnormals, whose absolute
+    error (2^-10 of the scale) stays below the rounding of h's typical values."""
+    p_max = (1 + 2 ** -3) * E4M3_MAX * scale * w8_NK.float().square().sum(1).amax().sqrt()
+    return torch.where(p_max > 0, p_max.square() / E4M3_MAX, torch.ones_like(p_max))
+
+
 class NormedFP8Linear(torch.autograd.Function):
     """x @ w^T for normed rows x (..., K) and a weight w (N, K) in x's dtype: the product in FP8 (torch._scaled_mm,
     e4m3 operands, fp32 accumulation, output in x's dtype); the backward in x's dtype from the saved x and w, the

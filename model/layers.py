@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from model.attention import attend
-from model.fp8 import NormedFP8Linear, normed_operands
+from model.fp8 import NormedFP8Linear, normed_operands, relu2_scale, scale_of, to_e4m3
 
 try:  # the CUDA path's Triton kernels; CPU-only installs (CI) lack triton and run the torch ops below
     from model import embed_kernels, mlp_kernels, norm_kernels, qkv_kernels, skip_kernels
@@ -197,10 +197,12 @@ def relu2_matmul(x_MK: Tensor, w_KN: Tensor) -> Tensor:
     return F.relu(x_MK @ w_KN).square()
 
 
-def relu2_matmul_fp8(x8_MK: Tensor, w8_NK: Tensor, scale: Tensor) -> Tensor:
-    """relu(scale * x8 @ w8^T)^2 in bf16 for e4m3 operands (w8 stored (N, K), K-major) in fp32 torch ops:
-    ReLU2MLP's FP8 path off CUDA and the reference of model/mlp_kernels.py's kernel of the same name."""
-    return relu2_matmul(x8_MK.float(), w8_NK.float().t() * scale).bfloat16()
+def relu2_matmul_fp8(x8_MK: Tensor, w8_NK: Tensor, scale: Tensor, h_inv_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """h = relu(scale * x8 @ w8^T)^2 in bf16 and its e4m3 copy h * h_inv_scale, both from the fp32 h, for e4m3
+    operands (w8 stored (N, K), K-major) in fp32 torch ops: ReLU2MLP's FP8 path off CUDA and the reference of
+    model/mlp_kernels.py's kernel of the same name."""
+    h_MN = relu2_matmul(x8_MK.float(), w8_NK.float().t() * scale)
+    return h_MN.bfloat16(), (h_MN * h_inv_scale).to(torch.float8_e4m3fn)
 
 
 def relu2_matmul_grad(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor) -> Tensor:
@@ -214,9 +216,15 @@ def matmul_add(h_MK: Tensor, w_NK: Tensor, r_MN: Tensor) -> Tensor:
     return r_MN + h_MK @ w_NK.t()
 
 
+def matmul_add_fp8(h8_MK: Tensor, w8_NK: Tensor, scale: Tensor, r_MN: Tensor) -> Tensor:
+    """r + scale * h8 @ w8^T for e4m3 operands, summed in fp32 and rounded once to r's dtype, in torch ops: the
+    reference of model/mlp_kernels.py's kernel of the same name."""
+    return (r_MN.float() + (h8_MK.float() @ w8_NK.float().t()) * scale).to(r_MN.dtype)
+
+
 # ReLU2MLP's ops off the kernels: the torch functions above, under the kernels' names
 TORCH_OPS = SimpleNamespace(relu2_matmul=relu2_matmul, relu2_matmul_fp8=relu2_matmul_fp8,
-                            relu2_matmul_grad=relu2_matmul_grad, matmul_add=matmul_add)
+                            relu2_matmul_grad=relu2_matmul_grad, matmul_add=matmul_add, matmul_add_fp8=matmul_add_fp8)
 
 
 class ReLU2MLP(torch.autograd.Function):
@@ -225,20 +233,24 @@ class ReLU2MLP(torch.autograd.Function):
     or use the (M, F) hidden tensor run in the Gluon kernels of model/mlp_kernels.py, with the ReLU² and the residual's
     add in their epilogues; elsewhere in the torch ops above (same names, same results).
 
-    With fp8, the first product reads e4m3 copies of x (normed: model/fp8.py's fixed scale) and of W1, and writes h
-    in bf16; the backward is the same bf16 backward, at that h."""
+    With fp8 both forward products read e4m3 operands: the first, copies of x (normed: model/fp8.py's fixed scale)
+    and of W1, and it writes h twice, in bf16 for the backward and in e4m3 (at relu2_scale's bound, from W1 alone) for
+    the second, whose weight W2 is scaled by its absolute maximum. The backward is the same bf16 backward, at h."""
 
     @staticmethod
     def forward(ctx, x_MD: Tensor, fc_DF: Tensor, proj_DF: Tensor, r_MD: Tensor, fp8: bool) -> Tensor:
         on_kernels = mlp_kernels is not None and mlp_kernels.supports(x_MD, fc_DF)
         ops = mlp_kernels if on_kernels else TORCH_OPS
-        if fp8:
-            h_MF = ops.relu2_matmul_fp8(*normed_operands(x_MD, fc_DF)).type_as(x_MD)
-        else:
-            h_MF = ops.relu2_matmul(x_MD, fc_DF)
-        ctx.save_for_backward(x_MD, fc_DF, proj_DF, h_MF)
         ctx.on_kernels = on_kernels
-        return ops.matmul_add(h_MF, proj_DF, r_MD)
+        if not fp8:
+            h_MF = ops.relu2_matmul(x_MD, fc_DF)
+            ctx.save_for_backward(x_MD, fc_DF, proj_DF, h_MF)
+            return ops.matmul_add(h_MF, proj_DF, r_MD)
+        x8_MD, fc8_FD, fc_scale = normed_operands(x_MD, fc_DF)
+        h_scale, proj_scale = relu2_scale(fc8_FD, fc_scale), scale_of(proj_DF)
+        h_MF, h8_MF = ops.relu2_matmul_fp8(x8_MD, fc8_FD, fc_scale, 1 / h_scale)
+        ctx.save_for_backward(x_MD, fc_DF, proj_DF, h_MF.type_as(x_MD))
+        return ops.matmul_add_fp8(h8_MF, to_e4m3(proj_DF, proj_scale), h_scale * proj_scale, r_MD)
 
     @staticmethod
     def backward(ctx, grad_y_MD: Tensor):
@@ -256,7 +268,7 @@ class MLP(nn.Module):
         # whose learning rate we use (stored (F, D) it would get twice the step)
         self.fc_w = nn.Parameter(torch.empty(dim, hidden_dim))
         self.proj_w = nn.Parameter(torch.empty(dim, hidden_dim))
-        self.fp8 = False  # the first product in FP8 (ReLU2MLP); set by runtime.dist.use_device_paths
+        self.fp8 = False  # the forward's products in FP8 (ReLU2MLP); set by runtime.dist.use_device_paths
 
     def init_weights(self) -> None:
         _uniform_(self.fc_w, 0.5 * self.fc_w.size(0) ** -0.5)  # std 0.5 / sqrt(fan_in): modded-nanogpt

@@ -132,11 +132,13 @@ _RELU2, _RELU2_GRAD = gl.constexpr(RELU2), gl.constexpr(RELU2_GRAD)  # as the ke
 
 
 @gluon.jit
-def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, scale_ptr, ACC_LAYOUT: gl.constexpr, KSTEPS: gl.constexpr,
-                   STAGES: gl.constexpr, EPILOGUE: gl.constexpr, B_K_CONTIGUOUS: gl.constexpr,
-                   SHARED_TILE: gl.constexpr, SCALED: gl.constexpr):
+def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, scale_ptr, out8_desc, out8_scale_ptr, ACC_LAYOUT: gl.constexpr,
+                   KSTEPS: gl.constexpr, STAGES: gl.constexpr, EPILOGUE: gl.constexpr, B_K_CONTIGUOUS: gl.constexpr,
+                   SHARED_TILE: gl.constexpr, SCALED: gl.constexpr, WRITES_FP8: gl.constexpr):
     """out = EPILOGUE(s * (A @ B)) in out's dtype, s = *scale_ptr with SCALED (FP8 operands' scales), else 1; t_desc
     is read only by the epilogues that take a tile (RELU2_GRAD, ADD). B is (K, N), or (N, K) with B_K_CONTIGUOUS.
+    With WRITES_FP8 (RELU2 only) the kernel also writes out's e4m3 copy, out * *out8_scale_ptr (the reciprocal of the
+    copy's scale), to out8_desc: from the fp32 result, not from out's rounding.
     Tiles past an edge read zeros and store nothing there (TMA).
     With SHARED_TILE the t tile lands in the output's buffer, where shared memory holds no second tile beside the
     ring: each tile's t is then asked for halfway through its products, once the tile before has left the buffer."""
@@ -153,6 +155,8 @@ def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, scale_ptr, ACC_LAYOUT: gl.c
 
     a_bufs, b_bufs, ready = _ring(a_desc, b_desc, STAGES)
     out_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
+    if WRITES_FP8:
+        out8_smem = gl.allocate_shared_memory(out8_desc.dtype, out8_desc.block_type.shape, out8_desc.layout)
     if READS_TILE:
         if SHARED_TILE:
             t_smem = out_smem
@@ -203,10 +207,15 @@ def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, scale_ptr, ACC_LAYOUT: gl.c
         else:
             relu = gl.maximum(acc, 0.0)
             out = relu * relu
-        tma.store_wait(pendings=0)  # the previous tile's store has left out_smem
+        tma.store_wait(pendings=0)  # the previous tile's stores have left out_smem (and out8_smem)
         out_smem.store(out.to(dtype))
+        if WRITES_FP8:
+            out8_smem.store((out * gl.load(out8_scale_ptr)).to(out8_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [(tile // tiles_n) * BLOCK_M, (tile % tiles_n) * BLOCK_N], out_smem)
+        off_m, off_n = (tile // tiles_n) * BLOCK_M, (tile % tiles_n) * BLOCK_N
+        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
+        if WRITES_FP8:
+            tma.async_copy_shared_to_global(out8_desc, [off_m, off_n], out8_smem)
     tma.store_wait(pendings=0)
 
 
@@ -232,11 +241,12 @@ def _descriptor(t: Tensor, block: tuple[int, int]) -> TensorDescriptor:
 
 
 def launch(a_MK: Tensor, b: Tensor, t_MN: Tensor | None, epilogue: int, config: tuple[int, ...] = CONFIG,
-           scale: Tensor | None = None) -> Tensor:
+           scale: Tensor | None = None, out8_MN: Tensor | None = None, out8_inv_scale: Tensor | None = None) -> Tensor:
     """The kernel on new output, EPILOGUE(a @ B): B = b (K, N) for RELU2 and RELU2_GRAD, B = b.t() for ADD (b is
     then the (N, K) weight as stored); t_MN is the epilogue's tile source (None for RELU2). config as CONFIG.
     FP8 (e4m3) operands: b is always (N, K), as the warpgroup MMA reads 8-bit operands only K-major, the product is
-    multiplied by the 0-D fp32 `scale` (their scales' product) and the output is bf16."""
+    multiplied by the 0-D fp32 `scale` (their scales' product) and the output is bf16. With out8_MN (RELU2 only)
+    the kernel also fills it with the output's e4m3 copy, the fp32 output times the 0-D fp32 out8_inv_scale."""
     fp8 = a_MK.dtype == torch.float8_e4m3fn
     if fp8:
         torch._check(b.dtype == a_MK.dtype and scale is not None and a_MK.is_contiguous() and b.is_contiguous()
@@ -246,13 +256,19 @@ def launch(a_MK: Tensor, b: Tensor, t_MN: Tensor | None, epilogue: int, config: 
         torch._check(supports(a_MK, b), lambda: "the MLP kernels take contiguous bf16 operands on a Hopper GPU, "
                                                 "with K and N multiples of 8 (model.mlp_kernels.supports)")
     torch._check((t_MN is None) == (epilogue == RELU2), lambda: "RELU2 reads no tile; the other epilogues need one")
+    torch._check(out8_MN is None or (epilogue == RELU2 and out8_inv_scale is not None
+                                     and out8_MN.dtype == torch.float8_e4m3fn and out8_MN.is_contiguous()),
+                 lambda: "only RELU2 writes an e4m3 copy, into a contiguous e4m3 tensor, with its scale")
     b_k_contiguous = epilogue == ADD or fp8
     (M, K), N = a_MK.shape, b.size(0 if b_k_contiguous else 1)
     torch._check(b.size(1 if b_k_contiguous else 0) == K, lambda: f"the weight {tuple(b.shape)} does not take K={K}")
     block_m, block_n, block_k, stages, warps = config
     out_MN = torch.empty((M, N), dtype=torch.bfloat16 if fp8 else a_MK.dtype, device=a_MK.device)
+    torch._check(out8_MN is None or (out8_MN.shape == out_MN.shape and N % 16 == 0),
+                 lambda: f"the e4m3 copy must be ({M}, {N}), N a multiple of 16 (TMA's 16-byte rows)")
     out_desc = _descriptor(out_MN, (block_m, block_n))
     t_desc = out_desc if t_MN is None else _descriptor(t_MN, (block_m, block_n))
+    out8_desc = out_desc if out8_MN is None else _descriptor(out8_MN, (block_m, block_n))
     b_desc = _descriptor(b, (block_n, block_k) if b_k_contiguous else (block_k, block_n))
     tiles = -(-M // block_m) * -(-N // block_n)
     programs = min(tiles, torch.cuda.get_device_properties(a_MK.device).multi_processor_count)
@@ -267,8 +283,10 @@ def launch(a_MK: Tensor, b: Tensor, t_MN: Tensor | None, epilogue: int, config: 
                                            instr_shape=[16, block_n, 32 // a_MK.element_size()])
     _matmul_kernel[(programs,)](
         _descriptor(a_MK, (block_m, block_k)), b_desc, out_desc, t_desc, out_MN if scale is None else scale,
+        out8_desc, out_MN if out8_inv_scale is None else out8_inv_scale,
         ACC_LAYOUT=acc_layout, KSTEPS=-(-K // block_k), STAGES=stages, EPILOGUE=epilogue,
-        B_K_CONTIGUOUS=b_k_contiguous, SHARED_TILE=shared_tile, SCALED=scale is not None, num_warps=warps)
+        B_K_CONTIGUOUS=b_k_contiguous, SHARED_TILE=shared_tile, SCALED=scale is not None,
+        WRITES_FP8=out8_MN is not None, num_warps=warps)
     return out_MN
 
 
@@ -310,11 +328,28 @@ def _(h_MK: Tensor, w_NK: Tensor, r_MN: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("speedrun::relu2_matmul_fp8", mutates_args=())
-def relu2_matmul_fp8(x8_MK: Tensor, w8_NK: Tensor, scale: Tensor) -> Tensor:
-    """relu(scale * x8 @ w8^T)^2 in bf16 for e4m3 operands, w8 stored (N, K): model.layers.relu2_matmul_fp8."""
-    return launch(x8_MK, w8_NK, None, RELU2, FP8_CONFIG, scale)
+def relu2_matmul_fp8(x8_MK: Tensor, w8_NK: Tensor, scale: Tensor, h_inv_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """h = relu(scale * x8 @ w8^T)^2 in bf16 and h * h_inv_scale in e4m3, for e4m3 operands, w8 stored (N, K):
+    model.layers.relu2_matmul_fp8."""
+    h8_MN = x8_MK.new_empty((x8_MK.size(0), w8_NK.size(0)))
+    return launch(x8_MK, w8_NK, None, RELU2, FP8_CONFIG, scale, h8_MN, h_inv_scale), h8_MN
 
 
 @relu2_matmul_fp8.register_fake
-def _(x8_MK: Tensor, w8_NK: Tensor, scale: Tensor) -> Tensor:
-    return x8_MK.new_empty((x8_MK.size(0), w8_NK.size(0)), dtype=torch.bfloat16)
+def _(x8_MK: Tensor, w8_NK: Tensor, scale: Tensor, h_inv_scale: Tensor) -> tuple[Tensor, Tensor]:
+    shape = (x8_MK.size(0), w8_NK.size(0))
+    return x8_MK.new_empty(shape, dtype=torch.bfloat16), x8_MK.new_empty(shape)
+
+
+@torch.library.custom_op("speedrun::matmul_add_fp8", mutates_args=())
+def matmul_add_fp8(h8_MK: Tensor, w8_NK: Tensor, scale: Tensor, r_MN: Tensor) -> Tensor:
+    """r + scale * h8 @ w8^T in r's dtype (bf16), rounded once, for e4m3 operands, w8 stored (N, K):
+    model.layers.matmul_add_fp8."""
+    torch._check(r_MN.shape == (h8_MK.size(0), w8_NK.size(0)) and r_MN.dtype == torch.bfloat16
+                 and r_MN.is_contiguous(), lambda: "the residual must be a contiguous bf16 (M, N) tensor")
+    return launch(h8_MK, w8_NK, r_MN, ADD, FP8_CONFIG, scale)
+
+
+@matmul_add_fp8.register_fake
+def _(h8_MK: Tensor, w8_NK: Tensor, scale: Tensor, r_MN: Tensor) -> Tensor:
+    return r_MN.new_empty(r_MN.shape)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from helpers import output_and_grads as grads
 from model import layers
-from model.fp8 import E4M3_MAX, NormedFP8Linear, normed_scale, scale_of, to_e4m3
+from model.fp8 import E4M3_MAX, NormedFP8Linear, normed_operands, normed_scale, relu2_scale, scale_of, to_e4m3
 from model.config import GPTConfig
 from model.gpt import GPT
 from runtime.dist import use_device_paths
@@ -47,6 +47,27 @@ def test_a_zero_weight_gets_scale_one():
     assert scale_of(torch.tensor([[0.5, -896.0]])).item() == 2.0
 
 
+def test_the_hidden_bound_holds_for_the_worst_aligned_row():
+    """relu2_scale bounds h from the weight alone: a normed row along W1's longest column gives the largest p that
+    any normed row can, and its h must land inside e4m3's range, one margin (1 + 2^-3)^2 below E4M3_MAX (within
+    e4m3's and bf16's roundings); other rows land lower. A zero weight gets scale 1, not a division by zero."""
+    d, f = 64, 256
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(d, f, generator=g) * d ** -0.5
+    w[:, 7] *= 3  # the longest column, by far
+    x = torch.cat([w[:, 7:8].t() / w[:, 7].square().mean().sqrt(), normed(31, d)])  # RMS 1 rows
+    x8, w8, scale = normed_operands(x.bfloat16(), w.bfloat16())
+    h_scale = relu2_scale(w8, scale)
+    h, h8 = layers.relu2_matmul_fp8(x8, w8, scale, 1 / h_scale)
+    top = h8.float().max(1).values
+    assert torch.isfinite(h8.float()).all()
+    torch.testing.assert_close(top[0], torch.tensor(E4M3_MAX * (1 + 2 ** -3) ** -2), rtol=2.0 ** -3, atol=0)
+    assert (top[1:] < top[0] / 4).all()
+    torch.testing.assert_close(h8.float() * h_scale, h.float(), rtol=2.0 ** -4, atol=2.0 ** -10 * h_scale.item())
+    zero8 = to_e4m3(torch.zeros(f, d), scale_of(torch.zeros(f, d)))
+    assert relu2_scale(zero8, scale).item() == 1.0
+
+
 def test_normed_fp8_linear_is_the_product_of_the_e4m3_copies_and_backs_off_to_f_linear():
     """Forward: torch._scaled_mm of the two e4m3 copies, equal to fp32 ops on the same FP8 values, and within a few
     e4m3 roundings of the exact product. Backward: F.linear's own gradients of the same (unrounded) operands."""
@@ -66,8 +87,9 @@ def test_normed_fp8_linear_is_the_product_of_the_e4m3_copies_and_backs_off_to_f_
 
 
 def test_fp8_mlp_on_torch_ops():
-    """ReLU2MLP with fp8 off the kernels: h from relu2_matmul_fp8 of the e4m3 copies, the output r + h @ W2^T, the
-    backward the bf16 one at that h (grad W2 = grad_y^T h exactly); everything within FP8's error of the bf16 MLP."""
+    """ReLU2MLP with fp8 off the kernels: h and its e4m3 copy from relu2_matmul_fp8 of the e4m3 copies of x and W1,
+    the output r + h8 @ W2^T on e4m3 copies (matmul_add_fp8), the backward the bf16 one at h (grad W2 = grad_y^T h
+    exactly); everything within FP8's error of the bf16 MLP."""
     m, d, f = 64, 32, 128
     g = torch.Generator().manual_seed(1)
     x = normed(m, d).bfloat16()
@@ -83,10 +105,15 @@ def test_fp8_mlp_on_torch_ops():
     got = grads(fp8_mlp, x, w1, w2, r, grad_y)
     x_scale, w_scale = normed_scale(x), scale_of(w1)
     x8, w8 = to_e4m3(x, x_scale), to_e4m3(w1.t(), w_scale).contiguous()
-    h = layers.relu2_matmul_fp8(x8, w8, x_scale * w_scale)
+    h_scale = relu2_scale(w8, x_scale * w_scale)
+    h, h8 = layers.relu2_matmul_fp8(x8, w8, x_scale * w_scale, 1 / h_scale)
     exact_h = F.relu((x8.double() @ w8.double().t()) * (x_scale * w_scale).double()).square()
     torch.testing.assert_close(h.double(), exact_h, rtol=2.0 ** -8, atol=0)  # one bf16 rounding
-    torch.testing.assert_close(got[0], layers.matmul_add(h, w2, r))
+    torch.testing.assert_close(h8.double() * h_scale.double(), exact_h, rtol=2.0 ** -4,  # one e4m3 rounding
+                               atol=2.0 ** -10 * h_scale.item())  # (subnormals: half their spacing)
+    w2_scale = scale_of(w2)
+    want_y = r.double() + (h8.double() @ to_e4m3(w2, w2_scale).double().t()) * (h_scale * w2_scale).double()
+    torch.testing.assert_close(got[0].double(), want_y, rtol=2.0 ** -8, atol=1e-6)  # one bf16 rounding of the sum
     torch.testing.assert_close(got[3], (grad_y.t() @ h).to(torch.bfloat16), rtol=0, atol=0)
     want = grads(bf16_mlp, x, w1, w2, r, grad_y)
     for a, b in zip(got, want, strict=True):
@@ -127,14 +154,15 @@ def test_fp8_is_on_for_every_block_on_hopper_where_the_widths_allow():
 
 @gpu
 @hopper
-@pytest.mark.parametrize("m, k, n", [(49152, 768, 3072), (300, 80, 520), (4100, 80, 1032)])
+@pytest.mark.parametrize("m, k, n", [(49152, 768, 3072), (300, 80, 528), (4100, 80, 1040)])
 def test_fp8_kernel_matches_torch_ops_on_the_same_values(m, k, n):
     """The Gluon kernel on e4m3 operands against fp64 ops on the same values, at the record's shape and sizes off
-    every tile (300 = 2 x 128 + 44 rows, 80 < one k-step of 128, 520 = 4 x 128 + 8). Hopper's FP8 MMA sums the
-    products of each instruction (32 along K) with about 14 bits below the largest (DeepSeek-V3 technical report,
-    2024), so a pre-activation p may be off by d <= 32 * 2^-14 = 2^-9 times the sum of its terms' magnitudes; h =
-    relu(p)^2 then by at most (2|p| + d) d, plus one bf16 rounding of h (2^-9 relative, 2^-8 allowed). Tighter
-    bounds failed: 2^-8 of each h by up to 0.0042 relative, 2^-12 for d by 0.004 absolute at the record's shape."""
+    every tile (300 = 2 x 128 + 44 rows, 80 < one k-step of 128, 528 = 4 x 128 + 16, as h's e4m3 copy needs
+    16-byte rows). Hopper's FP8 MMA sums the products of each instruction (32 along K) with about 14 bits below the
+    largest (DeepSeek-V3 technical report, 2024), so a pre-activation p may be off by d <= 32 * 2^-14 = 2^-9 times
+    the sum of its terms' magnitudes; h = relu(p)^2 then by at most (2|p| + d) d, plus one bf16 rounding of h (2^-9
+    relative, 2^-8 allowed). Tighter bounds failed: 2^-8 of each h by up to 0.0042 relative, 2^-12 for d by 0.004
+    absolute at the record's shape."""
     from model import mlp_kernels
 
     x = normed(m, k, "cuda").bfloat16()
@@ -142,23 +170,56 @@ def test_fp8_kernel_matches_torch_ops_on_the_same_values(m, k, n):
     x_scale, w_scale = normed_scale(x), scale_of(w)
     x8, w8 = to_e4m3(x, x_scale), to_e4m3(w.t(), w_scale).contiguous()
     scale = x_scale * w_scale
-    got = mlp_kernels.relu2_matmul_fp8(x8, w8, scale)
-    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    h_scale = relu2_scale(w8, scale)
+    got, got8 = mlp_kernels.relu2_matmul_fp8(x8, w8, scale, 1 / h_scale)
+    assert got.dtype == torch.bfloat16 and got8.dtype == torch.float8_e4m3fn and got.shape == got8.shape == (m, n)
     x64, w64, s64 = x8.double(), w8.double().t(), scale.double()
     pre = (x64 @ w64) * s64
     want = F.relu(pre).square()
     d = 2.0 ** -9 * (x64.abs() @ w64.abs()) * s64  # from the sum of |x_k w_k| behind each pre-activation
-    bound = 2.0 ** -8 * want + (2.0 * pre.abs() + d) * d
+    product_bound = (2.0 * pre.abs() + d) * d
     err = (got.double() - want).abs()
+    bound = 2.0 ** -8 * want + product_bound
     assert (err <= bound).all(), (err - bound).max().item()
     assert err.max() > 0  # not trivially equal: the check compares two computations
+    # the e4m3 copy: the same fp32 h, rounded to e4m3 at h_scale (2^-4 relative, or 2^-10 of the scale below the
+    # normal range) instead of to bf16
+    err8 = (got8.double() * h_scale.double() - want).abs()
+    bound8 = 2.0 ** -4 * (want + product_bound) + product_bound + 2.0 ** -10 * h_scale.double()
+    assert (err8 <= bound8).all(), (err8 - bound8).max().item()
+    assert (got8.double() * h_scale.double() != got.double()).any()
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("m, k, n", [(49152, 3072, 768), (300, 80, 520), (4100, 80, 1032)])
+def test_fp8_matmul_add_matches_torch_ops_on_the_same_values(m, k, n):
+    """r + s h8 @ w8^T on e4m3 operands against fp64 ops on the same values, at the record's shape (the MLP's
+    second product) and sizes off every tile: the accumulation's error as in the test above, plus one bf16 rounding
+    of the sum."""
+    from model import mlp_kernels
+
+    g = torch.Generator("cuda").manual_seed(4)
+    h = F.relu(torch.randn(m, k, generator=g, device="cuda")).square()
+    w = torch.randn(n, k, generator=g, device="cuda") * 0.02
+    r = torch.randn(m, n, generator=g, device="cuda").bfloat16()
+    h_scale, w_scale = scale_of(h), scale_of(w)
+    h8, w8 = to_e4m3(h, h_scale), to_e4m3(w, w_scale)
+    got = mlp_kernels.matmul_add_fp8(h8, w8, h_scale * w_scale, r)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    h64, w64, s64 = h8.double(), w8.double().t(), (h_scale * w_scale).double()
+    want = r.double() + (h64 @ w64) * s64
+    bound = 2.0 ** -8 * want.abs() + 2.0 ** -9 * (h64.abs() @ w64.abs()) * s64
+    err = (got.double() - want).abs()
+    assert (err <= bound).all(), (err - bound).max().item()
+    assert err.max() > 0
 
 
 @gpu
 @hopper
 def test_compiled_fp8_mlp_calls_the_fp8_kernel():
-    """Under torch.compile the FP8 path calls the FP8 kernel's custom op in the forward and the bf16 kernels after
-    it, and gives the eager results."""
+    """Under torch.compile the FP8 path calls the FP8 kernels' custom ops in the forward and the bf16 kernel in the
+    backward, and gives the eager results."""
     import re
 
     from torch._inductor.utils import run_and_get_code
@@ -173,6 +234,6 @@ def test_compiled_fp8_mlp_calls_the_fp8_kernel():
 
     got, codes = run_and_get_code(grads, torch.compile(fp8_mlp, dynamic=False), x, w1, w2, r, grad_y)
     ops = sorted(re.findall(r"torch\.ops\.speedrun\.(\w+)\.default\(", "\n".join(codes)))
-    assert ops == ["matmul_add", "relu2_matmul_fp8", "relu2_matmul_grad"]
+    assert ops == ["matmul_add_fp8", "relu2_matmul_fp8", "relu2_matmul_grad"]
     for a, b in zip(got, grads(fp8_mlp, x, w1, w2, r, grad_y), strict=True):
         torch.testing.assert_close(a, b)
