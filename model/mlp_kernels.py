@@ -46,10 +46,13 @@ Before it, cuBLAS's product wrote the MLP's output and an inductor kernel read i
 88 calls per step). Its sum is rounded once, not the product first. One kernel serves all three (_matmul_kernel,
 EPILOGUE).
 
-The forward's product also runs on e4m3 operands (relu2_matmul_fp8, model/fp8.py says why): the same kernel with
-128 bytes of K per operand row, W1 stored (F, D) as the 8-bit warpgroup MMA reads only K-major operands, and the
-scales' product applied to the accumulator before the ReLU². At the power limit it took 0.243 ms against the bf16
-kernel's 0.405 (bench/results/mlp_fp8_1xH200.json).
+The forward's two products also run on e4m3 operands (relu2_matmul_fp8 and matmul_add_fp8; model/fp8.py says why):
+the same kernel with 128 bytes of K per operand row, W1 stored (F, D) as the 8-bit warpgroup MMA reads only K-major
+operands (W2 already is), and the scales' product applied to the accumulator before the epilogue. The first writes
+h twice, in bf16 for the backward and in e4m3 for the second product, scaled by a bound that model/fp8.relu2_scale
+takes from W1: its ring, output tile and e4m3 tile take 208 KB. At the power limit the first took 0.243 ms against
+the bf16 kernel's 0.405 (bench/results/mlp_fp8_1xH200.json, before it wrote the e4m3 copy); in the step the two
+together took 27 ms per step less than bf16, against 19.5-19.8 with the first alone (bench/results/README.md).
 
 The three are torch.library custom ops: torch.compile cannot trace Gluon kernels (its user-kernel support
 rewrites Triton source), so inductor calls them as opaque kernels. They run on compute capability 9 only (the
@@ -73,8 +76,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # 128 x 64 and 64 x 128 operand tiles, one output and one h (or residual) tile take 224 KB of the SM's 227 KB of
 # shared memory
 CONFIG = (128, 128, 64, 5, 4)
-# for e4m3 operands (relu2_matmul_fp8): 128 bytes of K per row as above, the fastest of 9 in
-# bench/results/mlp_fp8_1xH200.json (0.209 ms against 0.215-0.269)
+# for e4m3 operands (relu2_matmul_fp8, and matmul_add_fp8 unswept): 128 bytes of K per row as above, the fastest
+# of 9 for relu2_matmul_fp8 in bench/results/mlp_fp8_1xH200.json (0.209 ms against 0.215-0.269)
 FP8_CONFIG = (128, 128, 128, 5, 4)
 SMEM_BYTES = 227 * 1024  # shared memory a block may opt into on compute capability 9.0 (CUDA C++ Programming Guide)
 

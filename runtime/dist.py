@@ -127,7 +127,7 @@ def fp8_supported(device: torch.device) -> bool:
 
 
 def fp8_forward_supported(device: torch.device) -> bool:
-    """The MLP's FP8 product is a Gluon kernel for Hopper's warpgroup MMA (model/mlp_kernels.py): compute
+    """The MLP's FP8 products are Gluon kernels for Hopper's warpgroup MMA (model/mlp_kernels.py): compute
     capability 9."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
@@ -136,7 +136,7 @@ def use_device_paths(model, device: torch.device, fp8_head: bool = False, fp8_fo
     """Pick the model's kernels for `device`. FlexAttention has no CPU backward, so on the CPU the same mask
     runs through SDPA (tests prove the two equal); CPUs without bf16 units emulate it slowly, so CPU math is fp32.
     The LM head's fused loss saves GPU memory and time; on the CPU plain F.cross_entropy is faster. It runs in
-    FP8 when asked for and the GPU has it; so do the blocks' forward products that read a normed input."""
+    FP8 when asked for and the GPU has it; so do the blocks' forward products (model/fp8.py)."""
     cuda = device.type == "cuda"
     model.attention_backend = "flex" if cuda else "sdpa"
     if not cuda:
