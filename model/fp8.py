@@ -5,8 +5,8 @@ Where the scales come from, none by a pass over the activations: a normed input 
 a fixed scale that can never overflow; the MLP's hidden h = relu(x W1)^2 is bounded from its normed input and W1
 alone (relu2_scale); a weight is scaled by its own absolute maximum. e4m3 keeps 3 mantissa bits over its whole
 normal range, so the fixed scale of a normed input costs no precision against a measured one. h's bound lies far
-above its typical values, which then sit low in e4m3's range (at about E4M3_MAX / D for unaligned rows), with
-subnormals for the smallest, whose absolute error stays below the rounding of the typical ones.
+above its typical values, which then sit low in e4m3's range (of the order of E4M3_MAX / D where x and W1's columns
+are not aligned), with subnormals for the smallest, whose absolute error stays below the rounding of the typical ones.
 
 Why only the forward: the step runs at the H200's power limit, where an FP8 product takes about 60% of a bf16 one's
 time (bench/results/mlp_fp8_1xH200.json, at the limit: the MLP's first layer 0.243 against 0.405 ms, the qkv

@@ -51,8 +51,9 @@ the same kernel with 128 bytes of K per operand row, W1 stored (F, D) as the 8-b
 operands (W2 already is), and the scales' product applied to the accumulator before the epilogue. The first writes
 h twice, in bf16 for the backward and in e4m3 for the second product, scaled by a bound that model/fp8.relu2_scale
 takes from W1: its ring, output tile and e4m3 tile take 208 KB. At the power limit the first took 0.243 ms against
-the bf16 kernel's 0.405 (bench/results/mlp_fp8_1xH200.json, before it wrote the e4m3 copy); in the step the two
-together took 27 ms per step less than bf16, against 19.5-19.8 with the first alone (bench/results/README.md).
+the bf16 kernel's 0.405 (bench/results/mlp_fp8_1xH200.json, before it wrote the e4m3 copy). In the step,
+--fp8_forward (these two and attention's qkv) took 27.0 ms less than bf16 once the second product joined, 19.5-19.8
+before (bench/results/README.md, pairs on one machine each).
 
 The three are torch.library custom ops: torch.compile cannot trace Gluon kernels (its user-kernel support
 rewrites Triton source), so inductor calls them as opaque kernels. They run on compute capability 9 only (the

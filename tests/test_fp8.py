@@ -1,6 +1,6 @@
 """The blocks' FP8 forward products (model/fp8.py, ReLU2MLP's fp8 path in model/layers.py): the e4m3 copies and their
 scales, the products against fp32 torch ops on the same FP8 values, and the backward against bf16 autograd's.
-The MLP's FP8 kernel runs on a Hopper GPU only (`pytest -m gpu`); torch._scaled_mm runs on the CPU too."""
+The MLP's FP8 kernels run on a Hopper GPU only (`pytest -m gpu`); torch._scaled_mm runs on the CPU too."""
 import pytest
 import torch
 import torch.nn.functional as F
