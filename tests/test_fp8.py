@@ -18,6 +18,14 @@ hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_de
 E4M3_RTOL = 2.0 ** -4  # half a unit in the last place of e4m3's 3 mantissa bits
 
 
+def fp8_mlp(x, w1, w2, r):
+    return layers.ReLU2MLP.apply(x, w1, w2, r, True)
+
+
+def bf16_mlp(x, w1, w2, r):
+    return layers.ReLU2MLP.apply(x, w1, w2, r, False)
+
+
 def normed(m, k, device="cpu", seed=0):
     g = torch.Generator(device).manual_seed(seed)
     return F.rms_norm(torch.randn(m, k, generator=g, device=device), (k,))
@@ -95,12 +103,6 @@ def test_fp8_mlp_on_torch_ops():
     x = normed(m, d).bfloat16()
     w1, w2 = [(torch.randn(d, f, generator=g) * d ** -0.5).bfloat16() for _ in range(2)]
     r, grad_y = [torch.randn(m, d, generator=g).bfloat16() for _ in range(2)]
-
-    def fp8_mlp(*a):
-        return layers.ReLU2MLP.apply(*a, True)
-
-    def bf16_mlp(*a):
-        return layers.ReLU2MLP.apply(*a, False)
 
     got = grads(fp8_mlp, x, w1, w2, r, grad_y)
     x_scale, w_scale = normed_scale(x), scale_of(w1)
@@ -228,9 +230,6 @@ def test_compiled_fp8_mlp_calls_the_fp8_kernel():
     x = normed(4096, 768, "cuda").bfloat16()
     w1, w2 = [(torch.randn(768, 3072, generator=g, device="cuda") * 768 ** -0.5).bfloat16() for _ in range(2)]
     r, grad_y = [torch.randn(4096, 768, generator=g, device="cuda").bfloat16() for _ in range(2)]
-
-    def fp8_mlp(*a):
-        return layers.ReLU2MLP.apply(*a, True)
 
     got, codes = run_and_get_code(grads, torch.compile(fp8_mlp, dynamic=False), x, w1, w2, r, grad_y)
     ops = sorted(re.findall(r"torch\.ops\.speedrun\.(\w+)\.default\(", "\n".join(codes)))

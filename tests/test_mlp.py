@@ -41,10 +41,6 @@ def fused_mlp(x, w1, w2, r):
     return layers.ReLU2MLP.apply(x, w1, w2, r, False)
 
 
-def fp8_mlp(x, w1, w2, r):
-    return layers.ReLU2MLP.apply(x, w1, w2, r, True)
-
-
 # --- CPU, torch ops -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 def test_function_matches_autograd(dtype, rtol):
