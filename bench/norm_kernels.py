@@ -7,10 +7,11 @@ ops against MixNorm on the kernels, compiled, forward and forward + backward.
 One 49,152-token micro-batch of D = 768, bf16, with the record's gate of G = 12 channels; the gradients of all three
 outputs (x, n, the gate's input) reach the backward, as in the model. triton.testing.do_bench: the mean over 200 ms
 of calls after 25 ms of warm-up, with the L2 cleared between calls. Each sweep row carries its kernels' traffic
-(forward: x_in, x0 in, x, n, gate out; backward: x_in, x0, three gradients in, two out) as GB/s; each compiled
-pair, the time of each of its kernels per forward + backward under torch.profiler; the inputs' .grad accumulate
-over the calls, so those rows include autograd's adds into them (CUDAFunctor_add), the same for both. The step runs
-the pair once per attention layer and micro-batch, 88 times per step.
+(forward: x_in, x0 in, x, n, gate out, and for forward_fp8 also n's e4m3 copy; backward: x_in, x0, three gradients
+in, two out) as GB/s; each compiled pair, the time of each of its kernels per forward + backward under
+torch.profiler; the inputs' .grad accumulate over the calls, so those rows include autograd's adds into them
+(CUDAFunctor_add), the same for both. The step runs the pair once per attention layer and micro-batch, 88 times per
+step.
 """
 import argparse
 import itertools
@@ -23,6 +24,7 @@ from triton.testing import do_bench
 
 from bench.timing import cuda_bf16_randn as randn
 from model import layers, norm_kernels
+from model.fp8 import normed_scale
 
 B, T, D, G = 1, 49152, 768, 12
 PROFILED = 10  # forward + backward calls under the profiler, whose kernel times are averaged
@@ -38,7 +40,9 @@ def main():
     lambdas = torch.tensor([0.7, 0.3], device="cuda")
     x, n, gate, g_x_in, g_x0 = randn(B, T, D), randn(B, T, D), randn(B, T, G), randn(B, T, D), randn(B, T, D)
     R, row_bytes, gate_bytes = B * T, D * x_in.element_size(), G * x_in.element_size()
+    n8, n8_scale = torch.empty_like(n, dtype=torch.float8_e4m3fn), normed_scale(n)
     traffic = {"forward": R * (4 * row_bytes + gate_bytes), "backward": R * (6 * row_bytes + gate_bytes)}
+    traffic["forward_fp8"] = traffic["forward"] + R * D  # n's e4m3 copy, one byte per value
     result = {"traffic_GB": {k: v / 1e9 for k, v in traffic.items()}, "sweep": [], "compiled": {}}
 
     def rate(name, ms):
@@ -50,20 +54,28 @@ def main():
         flags = {"D": D, "G": G, "BLOCK_R": block_r, "BLOCK_D": triton.next_power_of_2(D), "num_warps": warps}
 
         def forward():
-            norm_kernels._mix_norm_forward_kernel[grid](x_in, x0, lambdas, x, n, gate, R, **flags)
+            norm_kernels._mix_norm_forward_kernel[grid](x_in, x0, lambdas, x, n, gate, n, lambdas, R,
+                                                        WRITES_FP8=False, **flags)
+
+        def forward_fp8():
+            norm_kernels._mix_norm_forward_kernel[grid](x_in, x0, lambdas, x, n, gate, n8, n8_scale, R,
+                                                        WRITES_FP8=True, **flags)
 
         def backward():
             norm_kernels._mix_norm_backward_kernel[grid](x_in, x0, lambdas, g_x, g_n, g_gate, g_x_in, g_x0, partial, R,
                                                          HAS_G_X=True, HAS_G_N=True, HAS_G_GATE=True, **flags)
 
         row = {"block_r": block_r, "warps": warps}
-        for name, fn in (("forward", forward), ("backward", backward)):
+        for name, fn in (("forward", forward), ("forward_fp8", forward_fp8), ("backward", backward)):
             ms = do_bench(fn, warmup=25, rep=200)
             row |= {f"{name}_ms": ms, f"{name}_GBps": rate(name, ms)}
         result["sweep"].append(row)
         print(row, flush=True)
 
-    for name, fn in (("torch_ops_compiled", layers.mix_norm), ("kernels_compiled", layers.MixNorm.apply)):
+    def on_kernels(x_in, x0, lambdas, gate_width):
+        return layers.MixNorm.apply(x_in, x0, lambdas, gate_width, False)[:3]
+
+    for name, fn in (("torch_ops_compiled", layers.mix_norm), ("kernels_compiled", on_kernels)):
         compiled = torch.compile(fn, dynamic=False, fullgraph=True)
         leaves = [x_in.detach().requires_grad_(), x0.detach().requires_grad_(), lambdas.detach().requires_grad_()]
 

@@ -57,15 +57,16 @@ def relu2_scale(w8_NK: Tensor, scale: Tensor) -> Tensor:
 class NormedFP8Linear(torch.autograd.Function):
     """x @ w^T for normed rows x (..., K) and a weight w (N, K) in x's dtype: the product in FP8 (torch._scaled_mm,
     e4m3 operands, fp32 accumulation, output in x's dtype); the backward in x's dtype from the saved x and w, the
-    gradients of the exact product at these operands, as F.linear's backward computes them."""
+    gradients of the exact product at these operands, as F.linear's backward computes them. x8 is x's e4m3 copy,
+    to_e4m3(x, normed_scale(x)), where its producer already wrote one (model/norm_kernels.py), else None."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w_NK: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, w_NK: Tensor, x8: Tensor | None) -> Tensor:
         x_scale, w_scale = normed_scale(x), scale_of(w_NK)
-        x_MK = x.reshape(-1, x.size(-1))
+        x8_MK = (to_e4m3(x, x_scale) if x8 is None else x8).reshape(-1, x.size(-1))
         # _scaled_mm takes its second operand column-major: w stored (N, K) row-major is just that, transposed
-        out_MN = torch._scaled_mm(to_e4m3(x_MK, x_scale), to_e4m3(w_NK, w_scale).t(), scale_a=x_scale,
-                                  scale_b=w_scale, out_dtype=x.dtype, use_fast_accum=True)
+        out_MN = torch._scaled_mm(x8_MK, to_e4m3(w_NK, w_scale).t(), scale_a=x_scale, scale_b=w_scale,
+                                  out_dtype=x.dtype, use_fast_accum=True)
         ctx.save_for_backward(x, w_NK)
         return out_MN.view(*x.shape[:-1], w_NK.size(0))
 
@@ -73,4 +74,4 @@ class NormedFP8Linear(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, w_NK = ctx.saved_tensors
         grad_MN = grad.reshape(-1, grad.size(-1))
-        return grad @ w_NK, grad_MN.t() @ x.reshape(-1, x.size(-1))
+        return grad @ w_NK, grad_MN.t() @ x.reshape(-1, x.size(-1)), None

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from model.attention import attend
-from model.fp8 import NormedFP8Linear, normed_operands, relu2_scale, scale_of, to_e4m3
+from model.fp8 import NormedFP8Linear, normed_operands, normed_scale, relu2_scale, scale_of, to_e4m3
 
 try:  # the CUDA path's Triton kernels; CPU-only installs (CI) lack triton and run the torch ops below
     from model import embed_kernels, mlp_kernels, norm_kernels, qkv_kernels, skip_kernels
@@ -87,19 +87,26 @@ def mix_norm(x_BTD: Tensor, x0_BTD: Tensor, lambdas: Tensor, gate_width: int) ->
 class MixNorm(torch.autograd.Function):
     """mix_norm on the Triton kernels of model/norm_kernels.py, one each way (CUDA, or the CPU under the Triton
     interpreter), the gate's input a tensor of its own, whose gradient the backward adds to n's as it reads it;
-    saves only its inputs for backward."""
+    saves only its inputs for backward. A fourth output: with fp8, n's e4m3 copy at normed_scale (the attention's FP8
+    input, written by the same kernel: its own cast kernel took 34.7 us of each 49,152-token micro-batch and
+    layer, bench/results/kernels_step28_1xH200_bab869d.txt), else None."""
 
     @staticmethod
-    def forward(ctx, x_BTD: Tensor, x0_BTD: Tensor, lambdas: Tensor, gate_width: int) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(ctx, x_BTD: Tensor, x0_BTD: Tensor, lambdas: Tensor, gate_width: int,
+                fp8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, and the kernel skips its read
         ctx.save_for_backward(x_BTD, x0_BTD, lambdas)
-        return norm_kernels.mix_norm(x_BTD, x0_BTD, lambdas, gate_width)
+        if not fp8:
+            return *norm_kernels.mix_norm(x_BTD, x0_BTD, lambdas, gate_width), None
+        outs = norm_kernels.mix_norm_fp8(x_BTD, x0_BTD, lambdas, gate_width, normed_scale(x_BTD))
+        ctx.mark_non_differentiable(outs[3])
+        return outs
 
     @staticmethod
-    def backward(ctx, grad_x: Tensor | None, grad_n: Tensor | None, grad_gate: Tensor | None):
+    def backward(ctx, grad_x: Tensor | None, grad_n: Tensor | None, grad_gate: Tensor | None, _grad_n8: None):
         x_BTD, x0_BTD, lambdas = ctx.saved_tensors
         grad_x, grad_n, grad_gate = (g if g is None else g.contiguous() for g in (grad_x, grad_n, grad_gate))
-        return (*norm_kernels.mix_norm_grad(grad_x, grad_n, grad_gate, x_BTD, x0_BTD, lambdas), None)
+        return (*norm_kernels.mix_norm_grad(grad_x, grad_n, grad_gate, x_BTD, x0_BTD, lambdas), None, None)
 
 
 def _uniform_(w: Tensor, std: float) -> None:
@@ -171,14 +178,20 @@ class Attention(nn.Module):
         if self.gate_w is not None:
             nn.init.zeros_(self.gate_w)  # every gate starts at sigmoid(0) = 1/2, as in record #28
 
-    def forward(self, x_BTD: Tensor, gate_in_BTG: Tensor, v_first_BTHd: Tensor | None, ve_BTA: Tensor | None,
-                cos_TP: Tensor, sin_TP: Tensor, mask: BlockMask | Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x_BTD: Tensor, x8_BTD: Tensor | None, gate_in_BTG: Tensor, v_first_BTHd: Tensor | None,
+                ve_BTA: Tensor | None, cos_TP: Tensor, sin_TP: Tensor,
+                mask: BlockMask | Tensor) -> tuple[Tensor, Tensor]:
         """Returns (output (B, T, D), this layer's mixed values (B, T, H, d) for the value residual). gate_in holds
-        x's first G channels (mix_norm), read by the gate."""
+        x's first G channels (mix_norm), read by the gate; x8, if given, x's e4m3 copy at normed_scale (MixNorm),
+        which the FP8 product then reads instead of casting x."""
         B, T, _ = x_BTD.shape
         H, d = self.num_heads, self.head_dim
         qkv_w = self.qkv_w.flatten(0, 1).type_as(x_BTD)
-        qkv_BT3Hd = (NormedFP8Linear.apply if self.fp8 else F.linear)(x_BTD, qkv_w).view(B, T, 3 * H, d)
+        if self.fp8:
+            qkv_BT3Hd = NormedFP8Linear.apply(x_BTD, qkv_w, x8_BTD)
+        else:
+            qkv_BT3Hd = F.linear(x_BTD, qkv_w)
+        qkv_BT3Hd = qkv_BT3Hd.view(B, T, 3 * H, d)
         on_kernels = x_BTD.is_cuda and qkv_kernels is not None and qkv_kernels.supports(d)
         q_BTHd, k_BTHd, v_BTHd = (QKVPrep.apply if on_kernels else qkv_prep)(
             qkv_BT3Hd, cos_TP, sin_TP, self.value_lambdas, v_first_BTHd, ve_BTA)
@@ -414,9 +427,12 @@ class Block(nn.Module):
         if self.attn is not None:
             gate_width = 0 if self.attn.gate_w is None else self.attn.gate_w.size(1)
             on_kernels = x_BTD.is_cuda and norm_kernels is not None
-            x_BTD, n_BTD, gate_in_BTG = (MixNorm.apply if on_kernels else mix_norm)(x_BTD, x0_BTD, self.lambdas,
-                                                                                    gate_width)
-            y_BTD, v_BTHd = self.attn(n_BTD, gate_in_BTG, v_first_BTHd, ve_BTA, cos_TP, sin_TP, mask)
+            if on_kernels:
+                x_BTD, n_BTD, gate_in_BTG, n8_BTD = MixNorm.apply(x_BTD, x0_BTD, self.lambdas, gate_width,
+                                                                  self.attn.fp8)
+            else:
+                (x_BTD, n_BTD, gate_in_BTG), n8_BTD = mix_norm(x_BTD, x0_BTD, self.lambdas, gate_width), None
+            y_BTD, v_BTHd = self.attn(n_BTD, n8_BTD, gate_in_BTG, v_first_BTHd, ve_BTA, cos_TP, sin_TP, mask)
             x_BTD = x_BTD + y_BTD
         else:
             x_BTD = x0_mix(x_BTD, x0_BTD, self.lambdas)

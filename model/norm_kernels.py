@@ -11,7 +11,9 @@ record model on one H200 (one 49,152-token micro-batch; bench/results/norm_in_mo
 111.5 us against inductor's 175.4 and the forward 73.6 against 54.4; the forward also writes x, which the MLP's
 norm then reads instead of recomputing the mix (91.8 us there against 108.4). The whole step took 639.9 ms against
 645.4 on one machine (bench/results/README.md).
-- forward: x_in, x0 and the fp32 weights in; x and n (B, T, D) and the gate's input n[..., :G] (B, T, G) out;
+- forward: x_in, x0 and the fp32 weights in; x and n (B, T, D) and the gate's input n[..., :G] (B, T, G) out, and
+  with FP8 (mix_norm_fp8) n's e4m3 copy for the attention's FP8 product, one byte per value more of traffic where
+  a cast kernel of its own read n again;
 - backward: the gradients of x, n and the gate's input (each optional: None skips its read) and the forward's
   inputs in; the gradients of x_in and x0 and one fp32 partial sum per program and weight out, which torch sums
   (a fixed order: the same bits every run). x and the norm's 1 / rms are recomputed, not saved.
@@ -31,7 +33,10 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from model.fp8 import E4M3_MAX
+
 _EPS = tl.constexpr(1.1920928955078125e-07)  # F.rms_norm's default: fp32's eps, also for bf16 input
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
 # (rows per program, warps): of 16 configurations (1-8 rows, 1-8 warps; bench/results/norm_kernels_1xH200.json),
 # the fastest backward, 0.115 ms (3.9 TB/s), against 0.129-0.46 ms for the others, and within 1% of the fastest
 # forward, 0.078 ms (3.9 TB/s)
@@ -46,8 +51,9 @@ def _rstd(x, D: tl.constexpr):
 
 
 @triton.jit
-def _mix_norm_forward_kernel(x_in_ptr, x0_ptr, lambdas_ptr, x_ptr, n_ptr, gate_ptr, R, D: tl.constexpr,
-                             G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _mix_norm_forward_kernel(x_in_ptr, x0_ptr, lambdas_ptr, x_ptr, n_ptr, gate_ptr, n8_ptr, n8_scale_ptr, R,
+                             D: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                             WRITES_FP8: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)[None, :]
     inside = (rows < R)[:, None] & (cols < D)  # D = 768 is no power of 2: the tile's row is BLOCK_D wide
@@ -60,6 +66,9 @@ def _mix_norm_forward_kernel(x_in_ptr, x0_ptr, lambdas_ptr, x_ptr, n_ptr, gate_p
     n = (x * _rstd(x, D)).to(n_ptr.dtype.element_ty)
     tl.store(n_ptr + at, n, mask=inside)
     tl.store(gate_ptr + rows.to(tl.int64)[:, None] * G + cols, n, mask=inside & (cols < G))
+    if WRITES_FP8:  # model.fp8.to_e4m3 of the rounded n, the same division and clamp
+        n8 = tl.clamp(n.to(tl.float32) / tl.load(n8_scale_ptr), -_E4M3_MAX, _E4M3_MAX)
+        tl.store(n8_ptr + at, n8.to(n8_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -100,21 +109,39 @@ def _check(x_in: Tensor, x0: Tensor, lambdas: Tensor) -> None:
     torch._check(lambdas.shape == (2,) and lambdas.is_contiguous(), lambda: "two weights, of (x_in, x0)")
 
 
-@triton_op("speedrun::mix_norm", mutates_args=())
-def mix_norm(x_in: Tensor, x0: Tensor, lambdas: Tensor, gate_width: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(x, n, n[..., :gate_width] as its own contiguous tensor), each in x_in's dtype: model.layers.mix_norm."""
+def _forward(x_in: Tensor, x0: Tensor, lambdas: Tensor, gate_width: int,
+             n8_scale: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """One launch of the forward kernel: (x, n, gate input, and n's e4m3 copy at n8_scale if one is given)."""
     _check(x_in, x0, lambdas)
     D = x_in.size(-1)
     torch._check(0 <= gate_width <= D, lambda: "the gate reads at most the D channels of n")
     x, n = torch.empty_like(x_in), torch.empty_like(x_in)
     gate = x_in.new_empty((*x_in.shape[:-1], gate_width))
+    n8 = None if n8_scale is None else torch.empty_like(x_in, dtype=torch.float8_e4m3fn)
     block_r, warps = FORWARD_CONFIG
     R = x_in.numel() // D
-    # without a gate nothing is stored there: its pointer is n's (a 0-element tensor may have none)
+    # without a gate or a copy nothing is stored there: their pointers are n's (a 0-element tensor may have none),
+    # and without a copy its scale is never read: that pointer is lambdas'
     wrap_triton(_mix_norm_forward_kernel)[(triton.cdiv(R, block_r),)](
-        x_in, x0, lambdas, x, n, gate if gate_width else n, R, D=D, G=gate_width, BLOCK_R=block_r,
-        BLOCK_D=triton.next_power_of_2(D), num_warps=warps)
-    return x, n, gate
+        x_in, x0, lambdas, x, n, gate if gate_width else n, n if n8 is None else n8,
+        lambdas if n8_scale is None else n8_scale, R, D=D, G=gate_width, BLOCK_R=block_r,
+        BLOCK_D=triton.next_power_of_2(D), WRITES_FP8=n8 is not None, num_warps=warps)
+    return x, n, gate, n8
+
+
+@triton_op("speedrun::mix_norm", mutates_args=())
+def mix_norm(x_in: Tensor, x0: Tensor, lambdas: Tensor, gate_width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(x, n, n[..., :gate_width] as its own contiguous tensor), each in x_in's dtype: model.layers.mix_norm."""
+    return _forward(x_in, x0, lambdas, gate_width, None)[:3]
+
+
+@triton_op("speedrun::mix_norm_fp8", mutates_args=())
+def mix_norm_fp8(x_in: Tensor, x0: Tensor, lambdas: Tensor, gate_width: int,
+                 n8_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """mix_norm's three outputs and n's e4m3 copy, model.fp8.to_e4m3(n, n8_scale), from the same pass: the input of
+    the attention's FP8 product (model.fp8.NormedFP8Linear), which then needs no cast kernel of its own."""
+    torch._check(n8_scale.numel() == 1 and n8_scale.dtype == torch.float32, lambda: "one fp32 scale for n's copy")
+    return _forward(x_in, x0, lambdas, gate_width, n8_scale)
 
 
 @triton_op("speedrun::mix_norm_grad", mutates_args=())

@@ -78,11 +78,12 @@ def test_the_hidden_bound_holds_for_the_worst_aligned_row():
 
 def test_normed_fp8_linear_is_the_product_of_the_e4m3_copies_and_backs_off_to_f_linear():
     """Forward: torch._scaled_mm of the two e4m3 copies, equal to fp32 ops on the same FP8 values, and within a few
-    e4m3 roundings of the exact product. Backward: F.linear's own gradients of the same (unrounded) operands."""
+    e4m3 roundings of the exact product. Backward: F.linear's own gradients of the same (unrounded) operands. A copy
+    of x passed in (MixNorm's) is what the product reads, and the backward still reads x."""
     x = normed(2 * 37, 64).view(2, 37, 64)
     w = torch.randn(96, 64) * 0.05
     grad = torch.randn(2, 37, 96)
-    out, gx, gw = grads(NormedFP8Linear.apply, x, w, grad)
+    out, gx, gw = grads(lambda x, w: NormedFP8Linear.apply(x, w, None), x, w, grad)
     x_scale, w_scale = normed_scale(x), scale_of(w)
     on_fp8 = (to_e4m3(x, x_scale).float() * x_scale) @ (to_e4m3(w, w_scale).float() * w_scale).t()
     torch.testing.assert_close(out, on_fp8, rtol=1e-5, atol=1e-5)
@@ -92,6 +93,12 @@ def test_normed_fp8_linear_is_the_product_of_the_e4m3_copies_and_backs_off_to_f_
     want_out, *want_grads = grads(F.linear, x, w, grad)
     for got, want in zip((gx, gw), want_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+    given = grads(lambda x, w: NormedFP8Linear.apply(x, w, to_e4m3(x, x_scale).detach()), x, w, grad)
+    for got, want in zip(given, (out, gx, gw), strict=True):
+        assert torch.equal(got, want)
+    other = normed(2 * 37, 64, seed=1).view(2, 37, 64)
+    assert torch.equal(NormedFP8Linear.apply(x, w, to_e4m3(other, x_scale)), NormedFP8Linear.apply(other, w, None))
 
 
 def test_fp8_mlp_on_torch_ops():

@@ -11,6 +11,7 @@ import torch
 
 from helpers import interpreted, interpreter_parent
 from model import layers
+from model.fp8 import E4M3_MAX, normed_scale, to_e4m3
 
 gpu = pytest.mark.gpu
 # (gate width, the outputs whose gradients reach backward: x, n, the gate's input): the model's block uses all three;
@@ -28,6 +29,13 @@ def problem(B, T, D, gate_width, dtype, device, seed=0):
 
     inputs = [randn(B, T, D), randn(B, T, D), torch.tensor([0.7, 0.3], device=device)]
     return inputs, [randn(B, T, D), randn(B, T, D), randn(B, T, gate_width)]
+
+
+def on_kernels(x_in, x0, lambdas, gate_width):
+    """MixNorm without n's e4m3 copy: mix_norm's three outputs."""
+    *outs, n8 = layers.MixNorm.apply(x_in, x0, lambdas, gate_width, False)
+    assert n8 is None
+    return outs
 
 
 def run(fn, inputs, gate_width, grads, used):
@@ -55,6 +63,28 @@ def closed_forms(inputs, gate_width, grads, used):
     g = g_x + r * (g_n - n * (g_n * n).mean(-1, keepdim=True))
     outs = [x, n, n[..., :gate_width], lambdas[0] * g, lambdas[1] * g, torch.stack([(g * x_in).sum(), (g * x0).sum()])]
     return outs, (g.abs() * (x_in.abs() + x0.abs())).sum()
+
+
+def check_fp8_copy(B, T, D, gate_width, dtype, device, agreeing=1.0):
+    """MixNorm with fp8: the three outputs and the gradients bit for bit as without it, and n's e4m3 copy, outside
+    autograd, bit for bit model.fp8.to_e4m3 of n at normed_scale (the cast the attention's FP8 product would
+    otherwise make) in at least the fraction `agreeing` of its values. Row 0 is all in one channel: its n is
+    sqrt(D) there, the bound that maps to E4M3_MAX."""
+    inputs, grads = problem(B, T, D, gate_width, dtype, device)
+    for t in inputs[:2]:
+        t[0, 0] = 0.0
+        t[0, 0, 5] = 1.0
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    *outs, n8 = layers.MixNorm.apply(*leaves, gate_width, True)
+    torch.autograd.backward(outs, grads)
+    got = [o.detach() for o in outs] + [t.grad for t in leaves]
+    for i, (a, b) in enumerate(zip(got, run(on_kernels, inputs, gate_width, grads, "xng"), strict=True)):
+        assert torch.equal(a, b), i
+    want = to_e4m3(outs[1].detach(), normed_scale(outs[1]))
+    assert n8.dtype == torch.float8_e4m3fn and not n8.requires_grad
+    same = n8.view(torch.uint8) == want.view(torch.uint8)
+    assert same.all() if agreeing == 1.0 else same.float().mean() >= agreeing, same.float().mean()
+    assert n8[0, 0, 5].float().item() == E4M3_MAX and n8.float().abs().max().item() == E4M3_MAX
 
 
 def check(fn, B, T, D, dtype, device, rtol, atol):
@@ -99,7 +129,7 @@ def test_kernels_on_gpu_match_autograd(B, T, D, gate_width):
     of its largest value; lambdas' gradient within 1e-4 of its sum's magnitude bound and the same bits on a second
     run."""
     inputs, grads = problem(B, T, D, gate_width, torch.bfloat16, "cuda")
-    got = run(layers.MixNorm.apply, inputs, gate_width, grads, "xng")
+    got = run(on_kernels, inputs, gate_width, grads, "xng")
     own = run(layers.mix_norm, inputs, gate_width, grads, "xng")
     exact = run(layers.mix_norm, [t.double() for t in inputs], gate_width, [g.double() for g in grads], "xng")
     _, bound = closed_forms(inputs, gate_width, grads, "xng")
@@ -111,7 +141,7 @@ def test_kernels_on_gpu_match_autograd(B, T, D, gate_width):
             assert err < 1e-4 * bound, (err, bound)
         else:
             assert err <= 1.1 * own_err and err < 2.0 ** -6 * want.abs().max().item(), (i, err, own_err)
-    assert torch.equal(got[5], run(layers.MixNorm.apply, inputs, gate_width, grads, "xng")[5])
+    assert torch.equal(got[5], run(on_kernels, inputs, gate_width, grads, "xng")[5])
 
 
 @gpu
@@ -122,16 +152,41 @@ def test_compiled_launches_only_the_kernels():
     from torch._inductor.utils import run_and_get_code
 
     inputs, grads = problem(1, 4096, 768, 12, torch.bfloat16, "cuda")
-    compiled = torch.compile(layers.MixNorm.apply, dynamic=False, fullgraph=True)
+    compiled = torch.compile(on_kernels, dynamic=False, fullgraph=True)
     got, codes = run_and_get_code(run, compiled, inputs, 12, grads, "xng")
     launched = [re.sub(r"(_\d+)+$", "", name) for name in re.findall(r"(\w+)\.run\(", "\n".join(codes))]
     ours = sorted(name for name in launched if name in ("_mix_norm_forward_kernel", "_mix_norm_backward_kernel"))
     others = [name for name in launched if name not in ours]
     assert ours == ["_mix_norm_backward_kernel", "_mix_norm_forward_kernel"] and 1 <= len(others) <= 2, launched
     assert all(re.fullmatch(r"triton_(per|red)_fused\w*_sum\w*", name) for name in others), launched
-    for i, (a, b) in enumerate(zip(got, run(layers.MixNorm.apply, inputs, 12, grads, "xng"), strict=True)):
+    for i, (a, b) in enumerate(zip(got, run(on_kernels, inputs, 12, grads, "xng"), strict=True)):
         # lambdas' gradient: inductor sums the 4,096 fp32 partial sums in an order of its own
         torch.testing.assert_close(a, b, **({"rtol": 1e-5, "atol": 0.0} if i == 5 else {}))
+
+
+@gpu
+@pytest.mark.parametrize("B, T, D, gate_width", [(1, 49152, 768, 12), (3, 37, 200, 3), (3, 37, 200, 0)])
+def test_fp8_copy_on_gpu(B, T, D, gate_width):
+    check_fp8_copy(B, T, D, gate_width, torch.bfloat16, "cuda")
+
+
+@gpu
+def test_compiled_fp8_copy_is_the_forward_kernels_own():
+    """Compiled, the forward with n's e4m3 copy launches the one kernel (no cast of n by inductor), and the results
+    equal eager's bit for bit."""
+    from torch._inductor.utils import run_and_get_code
+
+    inputs, _ = problem(1, 4096, 768, 12, torch.bfloat16, "cuda")
+
+    def forward(x_in, x0, lambdas):
+        return layers.MixNorm.apply(x_in, x0, lambdas, 12, True)
+
+    got, codes = run_and_get_code(torch.compile(forward, dynamic=False, fullgraph=True), *inputs)
+    launched = [re.sub(r"(_\d+)+$", "", name) for name in re.findall(r"(\w+)\.run\(", "\n".join(codes))]
+    assert launched == ["_mix_norm_forward_kernel"], launched
+    for a, b in zip(got, forward(*inputs), strict=True):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
 
 
 # --- CPU, Triton interpreter --------------------------------------------------------------------------------------
@@ -142,4 +197,8 @@ test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 1)
 def test_interpreted_kernels():
     """In fp32, 111 rows of 48 channels: each row fills 48 of its tile's 64 columns, and with more than one row per
     program (a power of 2) the last program's rows end part-way, 111 being odd."""
-    check(layers.MixNorm.apply, 3, 37, 48, torch.float32, "cpu", rtol=1e-5, atol=1e-6)
+    check(on_kernels, 3, 37, 48, torch.float32, "cpu", rtol=1e-5, atol=1e-6)
+    # Triton 3.6's interpreter rounds fp32 to e4m3 in numpy (interpreter.py, _convert_float), ties away from zero and
+    # without the carry into the exponent (31.25 becomes 16, not 32): 124 of these 5,328 values. The GPU converts
+    # in hardware, and test_fp8_copy_on_gpu checks every bit there.
+    check_fp8_copy(3, 37, 48, 12, torch.float32, "cpu", agreeing=0.97)
