@@ -77,8 +77,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # 128 x 64 and 64 x 128 operand tiles, one output and one h (or residual) tile take 224 KB of the SM's 227 KB of
 # shared memory
 CONFIG = (128, 128, 64, 5, 4)
-# for e4m3 operands (relu2_matmul_fp8, and matmul_add_fp8 unswept): 128 bytes of K per row as above, the fastest
-# of 9 for relu2_matmul_fp8 in bench/results/mlp_fp8_1xH200.json (0.209 ms against 0.215-0.269)
+# for e4m3 operands: 128 bytes of K per row as above, the fastest of 9 for relu2_matmul_fp8 in
+# bench/results/mlp_fp8_1xH200.json (0.209 ms against 0.215-0.269), and for matmul_add_fp8 within 0.3 us of the
+# fastest of 12 in bench/results/mlp_fp8_second_1xH200.json (0.1791 ms; the same tiles with 8 warps 0.1788, the
+# others 0.1887-0.2735; the bf16 matmul_add 0.3085)
 FP8_CONFIG = (128, 128, 128, 5, 4)
 SMEM_BYTES = 227 * 1024  # shared memory a block may opt into on compute capability 9.0 (CUDA C++ Programming Guide)
 
