@@ -47,6 +47,13 @@ interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="runs in test_kernels_in_the_triton_interpreter's child")
 
 
+# The kernels that run inside torch.compile are launched through torch.library.wrap_triton, which in torch 2.11
+# refuses the interpreter's kernels (RuntimeError: "wrap_triton only works on functions annotated with triton.jit
+# or triton.autotune", on the GPU machine); torch 2.13 launches them as they are.
+wraps_interpreted = pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < "2.13",
+                                       reason="interpreted kernels through wrap_triton need torch >= 2.13")
+
+
 def interpreter_parent(test_file: str, passed: int, *marks):
     """The test that runs test_file's `interpreted` tests in a child process (run_interpreted), for a kernel test file
     to bind as test_kernels_in_the_triton_interpreter; it skips where triton is not installed and in the child."""

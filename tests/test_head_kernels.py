@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from model import head
 from model.head import GRAD_FP8_SCALE, IGNORE_INDEX
-from helpers import interpreted, interpreter_parent
+from helpers import interpreted, interpreter_parent, wraps_interpreted
 
 SOFTCAP = 15.0
 # The kernels' tanh (PTX tanh.approx.f32, relative error <= 1.1e-5 measured: model/head_kernels.py) moves each capped
@@ -150,7 +150,7 @@ def test_compiled_ops_launch_only_the_kernels():
 
 
 # --- CPU, Triton interpreter ------------------------------------------------------------------------------------
-test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 3)
+test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 3, wraps_interpreted)
 
 
 # Sizes off every tile: 2,500 columns = 2,048 + 452 (forward); the transpose's tiles: 100 rows = 64 + 36, 2,500

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from helpers import interpreted, interpreter_parent
+from helpers import interpreted, interpreter_parent, wraps_interpreted
 from model import layers
 from model.fp8 import E4M3_MAX, normed_scale, to_e4m3
 
@@ -195,7 +195,7 @@ def test_compiled_fp8_copy_is_the_forward_kernels_own():
 
 
 # --- CPU, Triton interpreter --------------------------------------------------------------------------------------
-test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 1)
+test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 1, wraps_interpreted)
 
 
 @interpreted

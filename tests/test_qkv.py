@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from helpers import interpreted, interpreter_parent
+from helpers import interpreted, interpreter_parent, wraps_interpreted
 from model import layers
 
 gpu = pytest.mark.gpu
@@ -85,7 +85,7 @@ def test_compiled_launches_only_the_kernels():
 
 
 # --- CPU, Triton interpreter --------------------------------------------------------------------------------------
-test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 1)
+test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 1, wraps_interpreted)
 
 
 @interpreted

@@ -7,7 +7,7 @@ where triton is installed, in a child pytest (`test_kernels_in_the_triton_interp
 import pytest
 import torch
 
-from helpers import interpreted, interpreter_parent, output_and_grads as grads
+from helpers import interpreted, interpreter_parent, wraps_interpreted, output_and_grads as grads
 from model import layers
 
 gpu = pytest.mark.gpu
@@ -78,7 +78,7 @@ def test_function_on_gpu_matches_autograd_and_repeats():
 
 
 # --- CPU, Triton interpreter --------------------------------------------------------------------------------------
-test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 1)
+test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 1, wraps_interpreted)
 
 
 @interpreted
