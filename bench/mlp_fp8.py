@@ -25,8 +25,7 @@ import torch
 
 from bench.mlp_kernels import D, error_of_max, tflops, training_problem
 from bench.power import REST_S, run_kind
-from bench.timing import failure, graph_ms
-from bench.timing import cuda_bf16_randn
+from bench.timing import cuda_bf16_randn, failure, graph_ms
 from model import layers, mlp_kernels
 from model.fp8 import normed_operands, relu2_scale, scale_of, to_e4m3
 

@@ -40,8 +40,9 @@ def on_kernels(x_in, x0, lambdas, gate_width):
 
 def on_kernels_fp8(x_in, x0, lambdas, gate_width):
     """MixNorm's three outputs when it also writes n's e4m3 copy (check_fp8_copy checks the copy): the kernel's
-    other variant, whose compiled code may round x's sum differently (an FMA where the other has a product and an
-    add), so it is checked against fp64 as on_kernels is, not against on_kernels' bits."""
+    other variant. On the H200 its x differed from on_kernels' in some bits at D = 768, from the same arithmetic
+    (bench/results/gpu_tests_1xH200_c5d7026_first.txt; a product and an add contracted to an FMA in one variant,
+    presumably), so it is checked against fp64 as on_kernels is, not against on_kernels' bits."""
     return layers.MixNorm.apply(x_in, x0, lambdas, gate_width, True)[:3]
 
 
@@ -81,7 +82,7 @@ def check_fp8_copy(B, T, D, gate_width, dtype, device, agreeing=1.0):
     for t in inputs[:2]:
         t[0, 0] = 0.0
         t[0, 0, 5] = 1.0
-    x, n, gate, n8 = layers.MixNorm.apply(*[t.detach().requires_grad_() for t in inputs], gate_width, True)
+    _, n, _, n8 = layers.MixNorm.apply(*[t.detach().requires_grad_() for t in inputs], gate_width, True)
     want = to_e4m3(n.detach(), normed_scale(n))
     assert n8.dtype == torch.float8_e4m3fn and n8.shape == n.shape and not n8.requires_grad
     same = n8.view(torch.uint8) == want.view(torch.uint8)
@@ -205,6 +206,6 @@ def test_interpreted_kernels():
     for fn in (on_kernels, on_kernels_fp8):
         check(fn, 3, 37, 48, torch.float32, "cpu", rtol=1e-5, atol=1e-6)
     # Triton 3.6's interpreter rounds fp32 to e4m3 in numpy (interpreter.py, _convert_float), ties away from zero and
-    # without the carry into the exponent (31.25 becomes 16, not 32): 124 of these 5,328 values. The GPU converts
+    # without the carry into the exponent (31.25 becomes 16, not 32): 123 of these 5,328 values. The GPU converts
     # in hardware, and test_fp8_copy_on_gpu checks every bit there.
     check_fp8_copy(3, 37, 48, 12, torch.float32, "cpu", agreeing=0.97)
