@@ -69,6 +69,10 @@ case " $* " in
 print(e.exit_on_user_error(c.fineweb_shards, sys.argv[1:], os.environ["FINEWEB_SHARDS"], int(os.environ["NPROC"])))'
         FINEWEB_SHARDS=$(FINEWEB_SHARDS=${FINEWEB_SHARDS:-} NPROC=$NPROC python -c "$shards_code" "$@")
         if [ "${#train_shards[@]}" -lt "$FINEWEB_SHARDS" ] || [ "${#val_shards[@]}" -eq 0 ]; then
+            # Before the download, the device: a torch that cannot use these GPUs (one built for a newer CUDA than
+            # the driver runs) stops here with train_gpt2's message, not after the download.
+            python -c 'import sys, runtime.dist as d, runtime.errors as e
+e.exit_on_user_error(d.device_for_flags, sys.argv[1:])' "$@"
             if ! python data/cached_fineweb10B.py "$FINEWEB_SHARDS"; then
                 if names_preset "$@"; then
                     echo "run.sh: FineWeb could not be fetched (see above), and the --preset you named reads it:" \

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from runtime.cli import parse_config
+from runtime.config import PRESETS, TrainConfig
 from runtime.errors import UserError
 
 
@@ -40,6 +42,13 @@ def choose_device(flag: str, local_rank: int) -> torch.device:
                         f"start torchrun with --nproc_per_node={torch.cuda.device_count()}")
     check_kernel_toolchain()
     return torch.device("cuda", local_rank)
+
+
+def device_for_flags(argv: list[str]) -> torch.device:
+    """The device train_gpt2 would take with these flags (its first process), or the UserError it would stop with.
+    run.sh asks before it downloads FineWeb: where torch cannot use the machine's GPUs, the run then stops in the
+    seconds torch takes to load, not after minutes of download."""
+    return choose_device(parse_config(TrainConfig, argv, PRESETS).device, 0)
 
 
 def nvidia_device_files(dev: str = "/dev") -> list[str]:

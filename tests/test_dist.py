@@ -48,6 +48,19 @@ def test_auto_takes_the_cpu_only_where_there_is_no_gpu(no_cuda):
         dist.choose_device("auto", 0)
 
 
+def test_run_sh_asks_for_the_device_that_the_flags_give_train_gpt2(no_cuda):
+    """device_for_flags, which run.sh asks before a download: the flags' --device through choose_device, on a machine
+    whose GPUs torch cannot use, and a mistyped flag named as train_gpt2 names it."""
+    no_cuda.setattr(dist, "nvidia_device_files", lambda: GPUS)
+    assert dist.device_for_flags(["--device=cpu", "--seed=3"]) == torch.device("cpu")
+    with pytest.raises(UserError, match="^this machine has NVIDIA GPUs"):
+        dist.device_for_flags(["--seed=3"])
+    with pytest.raises(UserError, match="--device='gpu' is not a device"):
+        dist.device_for_flags(["--device=gpu"])
+    with pytest.raises(UserError, match="--sed"):
+        dist.device_for_flags(["--sed=3"])
+
+
 def test_the_message_names_why_torch_sees_no_gpu(no_cuda):
     def message(flag="auto"):
         with pytest.raises(UserError) as error:

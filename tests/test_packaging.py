@@ -107,13 +107,14 @@ def test_gpu_marked_tests_skip_without_cuda(tmp_path):
 # --- run.sh with recording fakes -------------------------------------------------------------------------
 
 RECORDER = '#!/bin/sh\necho "{name} $*" >> "$RECORD"\n'
-# run.sh asks runtime.config.fineweb_shards how many shards the flags read, and prints the flags' help, with
+# run.sh asks runtime.config.fineweb_shards how many shards the flags read and, before a download,
+# runtime.dist.device_for_flags whether torch can use the device they ask for, and prints the flags' help, with
 # `python -c CODE FLAGS...`: the fake hands those to the real interpreter in the real repository, and records the rest;
 # FETCH_STATUS makes the FineWeb download fail
 PYTHON = f"""#!/bin/sh
 if [ "$1" = "-c" ]; then
     code=$2; shift 2
-    case "$code" in *fineweb_shards*) what="<shards>";; *) what="<help>";; esac
+    case "$code" in *fineweb_shards*) what="<shards>";; *device_for_flags*) what="<device>";; *) what="<help>";; esac
     echo "python -c $what $*" >> "$RECORD"
     cd "{ROOT}" && exec "{sys.executable}" -c "$code" "$@"
 fi
@@ -232,6 +233,7 @@ def test_run_sh_fetches_missing_fineweb_then_uses_every_gpu(tmp_path):
     calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--seed=1"])
     assert calls == [
         "python -c <shards> --seed=1",
+        "python -c <device> --seed=1",
         "python data/cached_fineweb10B.py 9",
         "torchrun --standalone --nproc_per_node=2 train_gpt2.py --seed=1",
     ]
@@ -239,12 +241,20 @@ def test_run_sh_fetches_missing_fineweb_then_uses_every_gpu(tmp_path):
 
 def test_run_sh_falls_back_to_the_smoke_run_when_the_fetch_fails(tmp_path):
     calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--seed=1"], env={"FETCH_STATUS": "2"})
-    assert calls[1:] == ["python data/cached_fineweb10B.py 9", "python train_gpt2.py --preset smoke --seed=1"]
+    assert calls[2:] == ["python data/cached_fineweb10B.py 9", "python train_gpt2.py --preset smoke --seed=1"]
 
 
 def test_run_sh_stops_when_the_fetch_fails_for_a_named_preset(tmp_path):
     calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--preset=d24"], env={"FETCH_STATUS": "2"}, status=1)
-    assert calls[1:] == ["python data/cached_fineweb10B.py 23"]
+    assert calls[2:] == ["python data/cached_fineweb10B.py 23"]
+
+
+def test_run_sh_stops_before_the_fetch_when_torch_cannot_use_the_device(tmp_path):
+    """Torch is left no GPU (CUDA_VISIBLE_DEVICES=''; on a CPU machine it has none anyway): --device=cuda stops,
+    with status 2, before any download, as a GPU box whose torch cannot use its GPUs does with --device auto
+    (tests/test_dist.py)."""
+    calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--device=cuda"], env={"CUDA_VISIBLE_DEVICES": ""}, status=2)
+    assert calls == ["python -c <shards> --device=cuda", "python -c <device> --device=cuda"]
 
 
 def test_run_sh_skips_the_fetch_when_shards_are_present_and_honours_nproc(tmp_path):
@@ -341,13 +351,13 @@ def test_fineweb_shards_counts_the_tokens_a_run_reads():
 
 def test_run_sh_fetches_as_many_shards_as_the_run_reads(tmp_path):
     calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, args=["--preset=d24"], shards=9)
-    assert calls[1:] == ["python data/cached_fineweb10B.py 23",
+    assert calls[1:] == ["python -c <device> --preset=d24", "python data/cached_fineweb10B.py 23",
                          "torchrun --standalone --nproc_per_node=2 train_gpt2.py --preset=d24"]
 
 
 def test_run_sh_fetches_more_shards_when_asked(tmp_path):
     calls = _run_sh(tmp_path, NVIDIA_SMI_TWO_GPUS, env={"FINEWEB_SHARDS": "12"}, shards=9)
-    assert calls[1] == "python data/cached_fineweb10B.py 12"
+    assert calls[2] == "python data/cached_fineweb10B.py 12"
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
