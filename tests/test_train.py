@@ -177,7 +177,8 @@ def synthetic_trace() -> list[dict]:
                 "args": {"correlation": corr}}
 
     def gpu(corr, name, dur, cat="kernel"):
-        return {"cat": cat, "name": name, "pid": 0, "tid": 9, "ts": 1000 + corr, "dur": dur, "args": {"correlation": corr}}
+        return {"cat": cat, "name": name, "pid": 0, "tid": 9, "ts": 1000 + corr, "dur": dur,
+                "args": {"correlation": corr}}
 
     return [op("step", 0, 100, cat="user_annotation"), op("aten::mul", 10, 10), launch(1, 12),
             op("aten::zero_", 30, 10), launch(2, 31), launch(3, 35),
