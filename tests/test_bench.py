@@ -1,8 +1,10 @@
 """bench/run.py: how per-step times and the validation context come out of a run's log, and the guard on too few
-timed steps; bench/gpu_monitor.py against a stand-in nvidia-smi; bench/gaps.py's sums on a small trace."""
+timed steps; bench/gpu_monitor.py against a stand-in nvidia-smi; bench/gaps.py's sums on a small trace;
+bench/determinism.py's comparison, and the CPU path's repeats."""
 import glob
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.gpu_monitor import QUERY, GpuMonitor, active_clock_reasons
 from bench.run import MIN_STEPS, per_step_ms, val_context
@@ -336,3 +339,31 @@ def test_cold_profile_splits_compile_seconds_by_caller():
         ("_compile", "GPT.hidden_states (model/gpt.py:270) in train (train_gpt2.py:447)"): 0.5,
         ("_compile", "GPT.hidden_states (model/gpt.py:270) in train_step (train_gpt2.py:421)"): 0.5,
         ("_compile", "MuonAdam.step (optim/optimizer.py:146) in train_step (train_gpt2.py:421)"): 2.0}
+
+
+def test_determinism_names_the_gradients_that_differ_between_repeats():
+    """bench/determinism.py's comparison: a repeat's loss and each gradient against the first repeat's, bit for bit
+    (a NaN where the first has one is equal; a NaN where it has a number is not)."""
+    from bench.determinism import differences
+    first = {"a": torch.tensor([1.0, 2.0, float("nan")]), "b": torch.zeros(4)}
+    same = {name: t.clone() for name, t in first.items()}
+    moved = {"a": torch.tensor([1.0, 2.0 + 2 ** -22, float("nan")]), "b": torch.tensor([0.0, float("nan"), 0, 0])}
+    report = differences([(2.5, first), (2.5, same), (2.5000002, moved)])
+    assert report[0] == {"loss": 2.5, "loss_equal": True, "gradients_differing": []}
+    assert report[1]["loss_equal"] is False
+    a, b = report[1]["gradients_differing"]
+    assert (a["parameter"], a["elements"], a["of"], a["max_abs_diff"]) == ("a", 1, 3, 2 ** -22)
+    assert (b["parameter"], b["elements"]) == ("b", 1) and math.isnan(b["max_abs_diff"])
+    with pytest.raises(RuntimeError, match=r"\['b'\]"):
+        differences([(2.5, first), (2.5, {"a": first["a"]})])
+
+
+def test_the_cpu_path_repeats_a_micro_batch_bit_for_bit(tmp_path):
+    """The smoke model's forward and backward on the CPU, three times: the same loss and the same bits in every
+    gradient (the golden-loss test relies on it; on the H200 one embedding kernel's atomic adds do not repeat)."""
+    out = tmp_path / "determinism.json"
+    subprocess.run([sys.executable, "-m", "bench.determinism", "--device", "cpu", "--repeats", "3", "--out", str(out)],
+                   cwd=REPO, check=True, capture_output=True, text=True)
+    report = json.loads(out.read_text())["repeats"]
+    assert len(report) == 2
+    assert all(r["loss_equal"] and r["gradients_differing"] == [] for r in report), report

@@ -1,0 +1,106 @@
+"""Does one micro-batch's forward and backward repeat bit for bit? Which parameters' gradients differ between repeats?
+
+    python -m bench.determinism --out bench/results/determinism_1xH200.json
+    python -m bench.determinism --device cpu          # the smoke preset's model, the CPU path
+
+The model of a run as train_gpt2.py builds it (the record config on CUDA, compiled, FP8 head and forward), with the
+zero-initialised weights drawn at random like the others, since a zero projection leaves most gradients zero. One
+micro-batch of random tokens (a document start every 937), the same inputs each repeat, gradients from None. Each
+repeat is compared with the first: the loss, then each parameter's gradient, element by element.
+
+Why it matters: two runs of the same seed on the H200 part by about 1e-3 in validation loss within 20 steps
+(bench/results/README.md, c0d9830's section), so a difference between two configurations smaller than that is not
+resolved by one run of each. This finds which kernels make the first difference.
+"""
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from model.gpt import GPT
+from runtime import dist
+from runtime.config import PRESETS, TrainConfig, model_config, parse_config
+
+DOC_EVERY = 937  # tokens between document starts in the random micro-batch: about 52 documents in 49,152 tokens
+WINDOW = 896  # attention window in tokens: the throughput benchmark's fixed one (../shared/BENCHMARKS.md)
+
+
+def repeats(model, inputs, targets, window, count: int) -> list[tuple[float, dict]]:
+    """(loss, {name: gradient}) of `count` forward+backward passes over the same micro-batch."""
+    results = []
+    for _ in range(count):
+        model.zero_grad(set_to_none=True)
+        loss = model(inputs, targets, window)
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    return results
+
+
+def differences(results: list[tuple[float, dict]]) -> list[dict]:
+    """For each repeat after the first: whether its loss equals the first's, and the gradients that do not (the
+    count of differing elements, the largest difference, NaN where one repeat has a NaN and the other a number, and
+    the largest gradient value of the first repeat)."""
+    first_loss, first = results[0]
+    report = []
+    for loss, grads in results[1:]:
+        if grads.keys() != first.keys():
+            raise RuntimeError(f"the repeats' parameters with a gradient differ: {sorted(grads.keys() ^ first.keys())}")
+        differing = []
+        for name, want in first.items():
+            got = grads[name]
+            unequal = (got != want) & ~(got.isnan() & want.isnan())  # NaN against NaN counts as equal
+            if unequal.any():
+                gap = (got[unequal].double() - want[unequal].double()).abs()  # NaN where only one is NaN
+                differing.append({"parameter": name, "elements": int(unequal.sum()), "of": want.numel(),
+                                  "max_abs_diff": gap.max().item(), "max_abs_grad": want.abs().max().item()})
+        report.append({"loss": loss, "loss_equal": loss == first_loss, "gradients_differing": differing})
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--out", type=Path, help="write the report as JSON here too")
+    args = parser.parse_args()
+    if args.repeats < 2:
+        parser.error(f"--repeats={args.repeats}: at least 2, to compare one repeat with another")
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error("no CUDA device that torch can use; pass --device cpu for the CPU path")
+    device = torch.device(args.device)
+    cfg = parse_config(TrainConfig, [] if cuda else ["--preset=smoke"], PRESETS)
+    mcfg = model_config(cfg)
+    torch.manual_seed(0)
+    model = GPT(mcfg).to(device)
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.abs().max() == 0:
+                p.normal_(0, 0.02)
+    dist.use_device_paths(model, device, fp8_head=cfg.fp8_head, fp8_forward=cfg.fp8_forward)
+    if cuda:
+        model.compile_regions()
+    g = torch.Generator(device=device).manual_seed(1)
+    tokens = torch.randint(0, mcfg.vocab_size, (1, cfg.seq_len + 1), device=device, generator=g)
+    tokens[0, ::DOC_EVERY] = mcfg.bos_id
+    inputs, targets = tokens[:, :-1].int(), tokens[:, 1:].long()
+    window = torch.tensor(WINDOW, dtype=torch.int64, device=device)
+
+    report = differences(repeats(model, inputs, targets, window, args.repeats))
+    parameters = len(list(model.parameters()))
+    for i, r in enumerate(report, start=1):
+        print(f"repeat {i} against repeat 0: loss {'equal' if r['loss_equal'] else 'DIFFERS'} ({r['loss']!r}), "
+              f"{len(r['gradients_differing'])} of {parameters} gradients differ")
+        for d in r["gradients_differing"]:
+            print(f"    {d['parameter']}: {d['elements']} of {d['of']} elements, largest difference "
+                  f"{d['max_abs_diff']:.3e}, largest gradient {d['max_abs_grad']:.3e}")
+    if args.out:
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu",
+                                        "torch": torch.__version__, "seq_len": cfg.seq_len,
+                                        "window_tokens": WINDOW, "repeats": report}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
