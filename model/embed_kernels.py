@@ -10,7 +10,10 @@ zero-filled once per optimizer step.
 The rows arrive in the order of the sorted token ids (layers.sort_ids, once per micro-batch for all tables). One
 program walks ROWS consecutive sorted rows, sums each run of one token in registers and adds the sum with relaxed
 atomics when the token changes (a run that crosses into the next program's rows is finished there, with one more
-atomic add). One program per row, adding every row by itself, took 193.7 us a table in the H200's training step
+atomic add). Where two programs add into one token's row, the order of their adds varies from run to run, so the
+table's gradient, and with it a training run, does not repeat bit for bit
+(bench/results/determinism_1xH200_2fb2527.txt: in six repeats of one micro-batch, the only gradient that differed).
+One program per row, adding every row by itself, took 193.7 us a table in the H200's training step
 (bench/results/kernels_step28_1xH200_f8bbdeb.txt): text repeats tokens hundreds or thousands of times per
 micro-batch, and their atomic adds queue on the same addresses. Alone, on the proxy corpus's first micro-batch (one
 id 16,929 times), it took 225 us, and 108 us on uniform ids; sorted, 93 us with the sort (42 us) included
