@@ -3,13 +3,14 @@
     python -m bench.determinism --out bench/results/determinism_1xH200.json
     python -m bench.determinism --device cpu          # the smoke preset's model, the CPU path
 
-The model of a run as train_gpt2.py builds it (the record config on CUDA, compiled, FP8 head and forward), with the
+The model of a run as train_gpt2.py builds it (the record config on CUDA, compiled, FP8 head and forward; without
+its static launch of our Triton kernels, which changes how they launch, not what they compute), with the
 zero-initialised weights drawn at random like the others, since a zero projection leaves most gradients zero. One
 micro-batch of random tokens (a document start every 937), the same inputs each repeat, gradients from None. Each
 repeat is compared with the first: the loss, then each parameter's gradient, element by element.
 
 Why it matters: two runs of the same seed on the H200 part by about 1e-3 in validation loss within 20 steps
-(bench/results/README.md, c0d9830's section), so a difference between two configurations smaller than that is not
+(bench/results/README.md, 677253b's section), so a difference between two configurations smaller than that is not
 resolved by one run of each. This finds which kernels make the first difference.
 """
 import argparse
