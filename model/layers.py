@@ -353,7 +353,7 @@ class FanOut(torch.autograd.Function):
 def sort_ids(ids_BT: Tensor) -> tuple[Tensor, Tensor]:
     """(sorted ids, order) (N,) of a micro-batch's flattened token ids, ids.flatten()[order] = sorted ids: the order
     in which TableRows' backward walks the rows (one sort for all tables)."""
-    return torch.sort(ids_BT.flatten())
+    return torch.sort(ids_BT.flatten(), stable=True)  # stable: each run of one id is summed in the same order
 
 
 def add_rows(out_VA: Tensor, sorted_ids_N: Tensor, order_N: Tensor, grads_NA: list[Tensor]) -> None:
