@@ -9,9 +9,10 @@ zero-initialised weights drawn at random like the others, since a zero projectio
 micro-batch of random tokens (a document start every 937), the same inputs each repeat, gradients from None. Each
 repeat is compared with the first: the loss, then each parameter's gradient, element by element.
 
-Why it matters: two runs of the same seed on the H200 part by about 1e-3 in validation loss within 20 steps
-(bench/results/README.md, 677253b's section), so a difference between two configurations smaller than that is not
-resolved by one run of each. This finds which kernels make the first difference.
+Why it matters: when two runs of the same seed differ, a difference between two configurations smaller than theirs is
+not resolved by one run of each. On the H200 they parted by about 1e-3 in validation loss within 20 steps
+(bench/results/README.md, 677253b's section), and this found the kernel that made the first difference
+(model/embed_kernels.py's atomic adds, since put in a fixed order).
 """
 import argparse
 import json

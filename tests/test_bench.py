@@ -360,7 +360,7 @@ def test_determinism_names_the_gradients_that_differ_between_repeats():
 
 def test_the_cpu_path_repeats_a_micro_batch_bit_for_bit(tmp_path):
     """The smoke model's forward and backward on the CPU, three times: the same loss and the same bits in every
-    gradient (the golden-loss test relies on it; on the H200 one embedding kernel's atomic adds do not repeat)."""
+    gradient (the golden-loss test relies on it)."""
     out = tmp_path / "determinism.json"
     subprocess.run([sys.executable, "-m", "bench.determinism", "--device", "cpu", "--repeats", "3", "--out", str(out)],
                    cwd=REPO, check=True, capture_output=True, text=True)
