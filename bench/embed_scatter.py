@@ -22,7 +22,7 @@ Measured on the H200, in CUDA graphs, the sort included in add_rows:
   (bench/results/embed_scatter_1xH200_deterministic.json, at 32 programs a group): on the shard's ids the pair took
   117.8 us at the model's 32 rows and 2 warps, uniform ids 148.0 us; ten calls gave the same bits on both. On the
   first 8 micro-batches, sort left out, the pair took 66.6, 64.0, 69.7 and 70.9 us a batch at groups of 4, 8, 16
-  and 32 programs, all with the same bits.
+  and 32 programs, the same bits on the first micro-batch.
 - The difference from the baseline's table is up to 1.0 on the shard's ids and 0.038 on uniform ones: the
   reference's bf16 sum of the pair, rounded once per row and summed over 16,929 rows; tests/test_embed.py checks
   the model's kernel against fp64.

@@ -88,6 +88,15 @@ def test_sort_ids_orders_the_flattened_ids():
     assert torch.equal(ids.flatten()[order], sorted_ids)
 
 
+def test_sort_ids_keeps_the_order_of_each_ids_rows():
+    """A stable sort: within a run of one id the rows keep their order in the micro-batch, so the kernels sum each run
+    in the same order every time."""
+    ids = torch.randint(0, 20, (5, 20), generator=torch.Generator().manual_seed(0))
+    sorted_ids, order = layers.sort_ids(ids)
+    same = sorted_ids[1:] == sorted_ids[:-1]
+    assert same.sum() > 50 and (order[1:][same] > order[:-1][same]).all()
+
+
 def check_add_rows(num_rows, vocab, width, readers, device, **launch):
     """add_rows on bf16 rows into an fp32 table against fp64 sums: within 1e-5 of the summed magnitudes of each
     element (fp32 sums in any order). The ids repeat as text does: a third of the rows are one token, whose run
