@@ -91,7 +91,9 @@ def _add_partials_kernel(partial_ptr, sorted_ids_ptr, out_ptr, N, width, num_pro
     """For each run that starts in the rows of one of this group's GROUP programs of _add_sorted_rows_kernel and goes
     on into the next programs': out[its token] += those programs' partial sums, added in program order. Most such runs
     end in the next program (text's frequent tokens aside); those are added for the whole group at once, the longer
-    ones one after another, PARTS partial sums at a time."""
+    ones one after another, PARTS partial sums at a time. All of them one after another took 77.7 us for two gradients
+    on text, against 63.7, and 131.6 on uniform ids against 101.8
+    (bench/results/embed_second_kernel_one_path_1xH200_153346e.json)."""
     programs = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     inside = cols < width
