@@ -22,7 +22,7 @@ with the casts of all nine operands.
 Measured on the H200 (bench/results/README.md, section "41836c2: the backward's products in FP8"):
 - At the power limit the seven products took 1.019 ms in FP8 against 1.863 in bf16, but 2.245 with the casts as
   kernels of their own: FP8 pays only where the kernels that make the operands also write their e4m3 copies.
-- cuBLAS's 1 x 128 blocks refuse fast accumulation, and their weight gradients ran slower than bf16.
+- cuBLAS's 1 x 128 blocks refuse fast accumulation, and three of their four weight gradients ran slower than bf16.
 """
 import argparse
 import json
