@@ -35,7 +35,7 @@ from bench.mlp_kernels import D, M, error_of_max
 from bench.mlp_kernels import HIDDEN as F
 from bench.power import REST_S, run_kind
 from bench.timing import failure, graph_ms
-from model.fp8 import E4M3_MAX
+from model.fp8 import E4M3_MAX, to_e4m3
 
 BLOCK = 128  # the block of DeepSeek-V3's recipe, and cuBLAS's one blockwise size on Hopper
 RECIPES = ("tensor", "row", "block1x128")
@@ -54,11 +54,10 @@ def quantize(t_RK: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tenso
     if recipe == "block1x128":
         blocks = t.reshape(R, K // BLOCK, BLOCK)
         scale = blocks.abs().amax(2).clamp(min=1e-30) / E4M3_MAX
-        t8 = (blocks / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(R, K)
-        return t8, scale.t().contiguous().t()
+        return to_e4m3(blocks, scale[..., None]).reshape(R, K), scale.t().contiguous().t()
     amax = t.abs().amax() if recipe == "tensor" else t.abs().amax(1, keepdim=True)
     scale = amax.clamp(min=1e-30) / E4M3_MAX
-    return (t / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+    return to_e4m3(t, scale), scale
 
 
 def problem() -> dict:
