@@ -148,7 +148,8 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
     mcfg = derived.model
     model = GPT(mcfg).to(device)
     model.init_weights()
-    dist.use_device_paths(model, device, fp8_head=cfg.fp8_head, fp8_forward=cfg.fp8_forward)
+    dist.use_device_paths(model, device, fp8_head=cfg.fp8_head, fp8_forward=cfg.fp8_forward,
+                          fp8_backward=cfg.fp8_backward)
     if cfg.fp8_head and cuda and not model.head.fp8:
         log.print(f"note: this GPU (compute capability {torch.cuda.get_device_capability(device)}) has no FP8 "
                   f"matrix units, so the LM head runs in bf16; pass --fp8_head 0 to make that explicit")

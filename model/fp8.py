@@ -1,5 +1,6 @@
 """FP8 (e4m3) copies of matrix-product operands, with per-tensor scales, and the blocks' forward products in FP8:
-the attention's q, k, v projection here; the MLP's two products in model/layers.py's ReLU2MLP.
+the attention's q, k, v projection here; the MLP's two products (and with --fp8_backward three of its backward's)
+in model/layers.py's ReLU2MLP.
 
 Where the scales come from, none by a pass over the activations: a normed input (RMS 1 per row) has |x| <= sqrt(D),
 a fixed scale that can never overflow; the MLP's hidden h = relu(x W1)^2 is bounded from its normed input and W1
@@ -8,16 +9,21 @@ normal range, so the fixed scale of a normed input costs no precision against a 
 above its typical values, which then sit low in e4m3's range (of the order of E4M3_MAX / D where x and W1's columns
 are not aligned), with subnormals for the smallest, whose absolute error stays below the rounding of the typical ones.
 
-Why only the forward: the step runs at the H200's power limit, where an FP8 product takes about 60% of a bf16 one's
-time (bench/results/mlp_fp8_1xH200.json, at the limit: the MLP's first layer 0.243 against 0.405 ms, the qkv
-projection 0.179 against 0.289). The backward's products read gradients, whose scale would need a pass of its own
-(or a history) to find; they stay in bf16, from the saved bf16 operands (h included: the MLP's first product writes
-it in bf16 and in e4m3). Measured for the backward (bench/fp8_backward.py, bench/results/README.md at 41836c2): a
-block's seven cuBLAS products in FP8 took 1.02 ms against 1.86 in bf16 at the limit, but 2.24 with the casts of
-their operands as kernels of their own. So the backward stays in bf16 until the kernels that make the gradients
-(and the transposed inputs that the weight gradients read) write the e4m3 copies themselves. The precision would
-do: with all eight backward products on e4m3 values (tensorwise scales from each tensor's amax, emulated), the
-short speedrun reached 1.0135 and 1.0165 (seeds 0 and 1; main 1.0159 and 1.0182).
+Why the forward by default: the step runs at the H200's power limit, where an FP8 product takes about 60% of a bf16
+one's time (bench/results/mlp_fp8_1xH200.json, at the limit: the MLP's first layer 0.243 against 0.405 ms, the qkv
+projection 0.179 against 0.289). The backward's products read gradients, which have no bound to scale them by, and
+their weight gradients read both operands transposed (tokens innermost, as Hopper's 8-bit MMA reads only K-major
+operands). Measured for the backward (bench/fp8_backward.py, bench/results/README.md at 41836c2): a block's seven
+cuBLAS products in FP8 took 1.02 ms against 1.86 in bf16 at the limit, but 2.24 with the casts of their operands as
+kernels of their own. So FP8 in the backward pays only where the kernels that make the operands write the copies.
+--fp8_backward does that for the MLP's three products after its first (ReLU2MLP in model/layers.py): the Gluon
+kernels write h's and the pre-activation gradient's copies in both layouts, the gradient's at a delayed scale
+(delayed_scale). It is off by default, as its gain is small so far: the step took 5.9 and 6.9 ms less in two
+same-machine pairs, and 0.8 ms less in a third on another machine. The kernel that writes the gradient's copies runs
+0.30 ms slower than the bf16 one, most of it in recording the amax (model/mlp_kernels.py; bench/results/README.md,
+section "the MLP's backward in FP8"). The precision would do: the short speedrun reached 1.0143 with it (seed 0; main
+1.0159 on another machine), and 1.0135 and 1.0165 with all eight backward products on e4m3 values (emulated, seeds 0
+and 1; main 1.0159 and 1.0182).
 """
 import torch
 from torch import Tensor
@@ -27,7 +33,14 @@ E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 def scale_of(t: Tensor) -> Tensor:
     """Per-tensor e4m3 scale from the absolute maximum (an all-zero tensor, like a zero-initialised weight, gets 1)."""
-    amax = t.abs().amax().float()
+    return delayed_scale(t.abs().amax().float())
+
+
+def delayed_scale(amax: Tensor) -> Tensor:
+    """The e4m3 scale that maps a 0-D fp32 absolute maximum to E4M3_MAX, 1 where it is 0. A gradient's copy written
+    by the kernel that computes it takes the amax of the previous call at its site (a delayed scale, as in
+    Transformer Engine's recipe): values above it saturate. A site without history (amax 0: its first call, or all
+    its gradients 0 so far) gets 1."""
     return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
 
 
@@ -59,6 +72,12 @@ def relu2_scale(w8_NK: Tensor, scale: Tensor) -> Tensor:
     return torch.where(p_max > 0, p_max.square() / E4M3_MAX, torch.ones_like(p_max))
 
 
+def fp8_mm(a8_MK: Tensor, b8_KN: Tensor, a_scale: Tensor, b_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """(a_scale a8) @ (b_scale b8) in out_dtype from e4m3 copies, b8 column-major (a row-major (N, K) copy,
+    transposed): torch._scaled_mm with fp32 accumulation in Hopper's fast mode (no extra promotion)."""
+    return torch._scaled_mm(a8_MK, b8_KN, scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype, use_fast_accum=True)
+
+
 class NormedFP8Linear(torch.autograd.Function):
     """x @ w^T for normed rows x (..., K) and a weight w (N, K) in x's dtype: the product in FP8 (torch._scaled_mm,
     e4m3 operands, fp32 accumulation, output in x's dtype); the backward in x's dtype from the saved x and w, the
@@ -70,8 +89,7 @@ class NormedFP8Linear(torch.autograd.Function):
         x_scale, w_scale = normed_scale(x), scale_of(w_NK)
         x8_MK = (to_e4m3(x, x_scale) if x8 is None else x8).reshape(-1, x.size(-1))
         # _scaled_mm takes its second operand column-major: w stored (N, K) row-major is just that, transposed
-        out_MN = torch._scaled_mm(x8_MK, to_e4m3(w_NK, w_scale).t(), scale_a=x_scale, scale_b=w_scale,
-                                  out_dtype=x.dtype, use_fast_accum=True)
+        out_MN = fp8_mm(x8_MK, to_e4m3(w_NK, w_scale).t(), x_scale, w_scale, x.dtype)
         ctx.save_for_backward(x, w_NK)
         return out_MN.view(*x.shape[:-1], w_NK.size(0))
 

@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from model.attention import attend
-from model.fp8 import NormedFP8Linear, normed_operands, normed_scale, relu2_scale, scale_of, to_e4m3
+from model.fp8 import (NormedFP8Linear, delayed_scale, fp8_mm, normed_operands, normed_scale, relu2_scale, scale_of,
+                       to_e4m3)
 
 try:  # the CUDA path's Triton kernels; CPU-only installs (CI) lack triton and run the torch ops below
     from model import embed_kernels, mlp_kernels, norm_kernels, qkv_kernels, skip_kernels
@@ -218,9 +219,29 @@ def relu2_matmul_fp8(x8_MK: Tensor, w8_NK: Tensor, scale: Tensor, h_inv_scale: T
     return h_MN.bfloat16(), (h_MN * h_inv_scale).to(torch.float8_e4m3fn)
 
 
+def relu2_matmul_fp8_t(x8_MK: Tensor, w8_NK: Tensor, scale: Tensor,
+                       h_inv_scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """relu2_matmul_fp8's h and e4m3 copy, and that copy transposed (N, M), by torch ops: the reference of
+    model/mlp_kernels.py's kernel of the same name."""
+    h_MN, h8_MN = relu2_matmul_fp8(x8_MK, w8_NK, scale, h_inv_scale)
+    return h_MN, h8_MN, h8_MN.t().contiguous()
+
+
 def relu2_matmul_grad(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor) -> Tensor:
     """The gradient of h = relu(pre)^2 w.r.t. pre, (grad_y @ w) * 2 relu(pre), from h itself: relu(pre) = sqrt(h)."""
     return (grad_y_MK @ w_KN) * (2.0 * h_MN.sqrt())
+
+
+def relu2_matmul_grad_fp8(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor,
+                          amax: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """relu2_matmul_grad in fp32 torch ops, written as e4m3 copies (M, N) and (N, M) at amax's delayed scale, amax
+    then set to the gradient's absolute maximum: (g8, g8 transposed, scale). The reference of model/mlp_kernels.py's
+    kernel of the same name."""
+    g_MN = relu2_matmul_grad(grad_y_MK.float(), w_KN.float(), h_MN.float())
+    scale = delayed_scale(amax)
+    amax.copy_(g_MN.abs().amax())
+    g8_MN = to_e4m3(g_MN, scale)
+    return g8_MN, g8_MN.t().contiguous(), scale
 
 
 def matmul_add(h_MK: Tensor, w_NK: Tensor, r_MN: Tensor) -> Tensor:
@@ -237,7 +258,9 @@ def matmul_add_fp8(h8_MK: Tensor, w8_NK: Tensor, scale: Tensor, r_MN: Tensor) ->
 
 # ReLU2MLP's ops off the kernels: the torch functions above, under the kernels' names
 TORCH_OPS = SimpleNamespace(relu2_matmul=relu2_matmul, relu2_matmul_fp8=relu2_matmul_fp8,
-                            relu2_matmul_grad=relu2_matmul_grad, matmul_add=matmul_add, matmul_add_fp8=matmul_add_fp8)
+                            relu2_matmul_fp8_t=relu2_matmul_fp8_t, relu2_matmul_grad=relu2_matmul_grad,
+                            relu2_matmul_grad_fp8=relu2_matmul_grad_fp8, matmul_add=matmul_add,
+                            matmul_add_fp8=matmul_add_fp8)
 
 
 class ReLU2MLP(torch.autograd.Function):
@@ -248,29 +271,53 @@ class ReLU2MLP(torch.autograd.Function):
 
     With fp8 both forward products read e4m3 operands: the first, copies of x (normed: model/fp8.py's fixed scale)
     and of W1, and it writes h twice, in bf16 for the backward and in e4m3 (at relu2_scale's bound, from W1 alone) for
-    the second, whose weight W2 is scaled by its absolute maximum. The backward is the same bf16 backward, at h."""
+    the second, whose weight W2 is scaled by its absolute maximum. The backward is the same bf16 backward, at h.
+
+    With grad_amax as well (a 0-D fp32 buffer of this MLP's), the backward's three products after the first also
+    run in FP8 (torch._scaled_mm). Each reads its operands K-major, the tokens innermost for the weights' gradients,
+    so the copies are laid out for them where they are made: the forward's kernel writes h's e4m3 copy transposed
+    too, x's copy is transposed once and kept in place of x, and the first backward kernel writes the
+    pre-activation's gradient only as e4m3 copies, in both layouts, at grad_amax's delayed scale (model/fp8.py's
+    delayed_scale). The output's gradient gets a copy at its own amax (a pass of its own, over an (M, D) tensor)."""
 
     @staticmethod
-    def forward(ctx, x_MD: Tensor, fc_DF: Tensor, proj_DF: Tensor, r_MD: Tensor, fp8: bool) -> Tensor:
+    def forward(ctx, x_MD: Tensor, fc_DF: Tensor, proj_DF: Tensor, r_MD: Tensor, fp8: bool,
+                grad_amax: Tensor | None = None) -> Tensor:
         on_kernels = mlp_kernels is not None and mlp_kernels.supports(x_MD, fc_DF)
         ops = mlp_kernels if on_kernels else TORCH_OPS
-        ctx.on_kernels = on_kernels
+        ctx.on_kernels, ctx.fp8_backward = on_kernels, fp8 and grad_amax is not None
         if not fp8:
             h_MF = ops.relu2_matmul(x_MD, fc_DF)
             ctx.save_for_backward(x_MD, fc_DF, proj_DF, h_MF)
             return ops.matmul_add(h_MF, proj_DF, r_MD)
         x8_MD, fc8_FD, fc_scale = normed_operands(x_MD, fc_DF)
         h_scale, proj_scale = relu2_scale(fc8_FD, fc_scale), scale_of(proj_DF)
-        h_MF, h8_MF = ops.relu2_matmul_fp8(x8_MD, fc8_FD, fc_scale, 1 / h_scale)
-        ctx.save_for_backward(x_MD, fc_DF, proj_DF, h_MF.type_as(x_MD))
+        if ctx.fp8_backward:
+            h_MF, h8_MF, h8_FM = ops.relu2_matmul_fp8_t(x8_MD, fc8_FD, fc_scale, 1 / h_scale)
+            ctx.save_for_backward(x8_MD.t().contiguous(), normed_scale(x_MD), fc_DF, proj_DF, h_MF.type_as(x_MD),
+                                  h8_FM, h_scale, grad_amax)
+        else:
+            h_MF, h8_MF = ops.relu2_matmul_fp8(x8_MD, fc8_FD, fc_scale, 1 / h_scale)
+            ctx.save_for_backward(x_MD, fc_DF, proj_DF, h_MF.type_as(x_MD))
         return ops.matmul_add_fp8(h8_MF, to_e4m3(proj_DF, proj_scale), h_scale * proj_scale, r_MD)
 
     @staticmethod
     def backward(ctx, grad_y_MD: Tensor):
-        x_MD, fc_DF, proj_DF, h_MF = ctx.saved_tensors
+        ops = mlp_kernels if ctx.on_kernels else TORCH_OPS
         grad_y_MD = grad_y_MD.contiguous()
-        grad_pre_MF = (mlp_kernels if ctx.on_kernels else TORCH_OPS).relu2_matmul_grad(grad_y_MD, proj_DF, h_MF)
-        return grad_pre_MF @ fc_DF.t(), x_MD.t() @ grad_pre_MF, grad_y_MD.t() @ h_MF, grad_y_MD, None
+        if not ctx.fp8_backward:
+            x_MD, fc_DF, proj_DF, h_MF = ctx.saved_tensors
+            grad_pre_MF = ops.relu2_matmul_grad(grad_y_MD, proj_DF, h_MF)
+            return grad_pre_MF @ fc_DF.t(), x_MD.t() @ grad_pre_MF, grad_y_MD.t() @ h_MF, grad_y_MD, None, None
+        x8_DM, x_scale, fc_DF, proj_DF, h_MF, h8_FM, h_scale, grad_amax = ctx.saved_tensors
+        g8_MF, g8_FM, g_scale = ops.relu2_matmul_grad_fp8(grad_y_MD, proj_DF, h_MF, grad_amax)
+        fc_scale, gy_scale = scale_of(fc_DF), scale_of(grad_y_MD)
+        gy8_DM = to_e4m3(grad_y_MD, gy_scale).t().contiguous()
+        # fp8_mm's second operand is read (K, N) column-major: the (N, K) row-major copies, transposed
+        grad_x_MD = fp8_mm(g8_MF, to_e4m3(fc_DF, fc_scale).t(), g_scale, fc_scale, grad_y_MD.dtype)
+        grad_fc_DF = fp8_mm(x8_DM, g8_FM.t(), x_scale, g_scale, fc_DF.dtype)
+        grad_proj_DF = fp8_mm(gy8_DM, h8_FM.t(), gy_scale, h_scale, proj_DF.dtype)
+        return grad_x_MD, grad_fc_DF, grad_proj_DF, grad_y_MD, None, None
 
 
 class MLP(nn.Module):
@@ -282,6 +329,10 @@ class MLP(nn.Module):
         self.fc_w = nn.Parameter(torch.empty(dim, hidden_dim))
         self.proj_w = nn.Parameter(torch.empty(dim, hidden_dim))
         self.fp8 = False  # the forward's products in FP8 (ReLU2MLP); set by runtime.dist.use_device_paths
+        self.fp8_backward = False  # with fp8, the backward's products after the first too; likewise set
+        # the absolute maximum of the last gradient of relu(pre)^2's input, for the next one's e4m3 scale (ReLU2MLP);
+        # not saved: a resumed run starts without history, as a new one does
+        self.register_buffer("grad_amax", torch.zeros(()), persistent=False)
 
     def init_weights(self) -> None:
         _uniform_(self.fc_w, 0.5 * self.fc_w.size(0) ** -0.5)  # std 0.5 / sqrt(fan_in): modded-nanogpt
@@ -291,7 +342,8 @@ class MLP(nn.Module):
         """residual + the MLP of x: the residual stream after the MLP."""
         x_MD = x_BTD.flatten(0, 1)
         y_MD = ReLU2MLP.apply(x_MD, self.fc_w.type_as(x_MD), self.proj_w.type_as(x_MD),
-                              residual_BTD.flatten(0, 1).contiguous(), self.fp8)
+                              residual_BTD.flatten(0, 1).contiguous(), self.fp8,
+                              self.grad_amax if self.fp8_backward else None)
         return y_MD.view_as(x_BTD)
 
 

@@ -55,7 +55,17 @@ the bf16 kernel's 0.405 (bench/results/mlp_fp8_1xH200.json, before it wrote the 
 --fp8_forward (these two and attention's qkv) took 27.0 ms less than bf16 once the second product joined, 19.5-19.8
 before (bench/results/README.md, pairs on one machine each).
 
-The three are torch.library custom ops: torch.compile cannot trace Gluon kernels (its user-kernel support
+With --fp8_backward two more forms write e4m3 copies for the backward's FP8 products (ReLU2MLP): the forward's
+first product also writes h's copy transposed (relu2_matmul_fp8_t), and the backward's first product writes the
+pre-activation's gradient only as e4m3 copies, row-major and transposed, at a delayed scale, recording its amax
+(relu2_matmul_grad_fp8). A transposed copy's tile changes its layout in registers first, so that each thread stores
+16 consecutive tokens of one column; that change passes through shared memory, which costs a stage of the ring
+(FP8_T_CONFIG, GRAD_FP8_CONFIG). Measured alone (bench/results/mlp_fp8_backward_kernels_1xH200.json, CUDA graphs,
+idle GPU): relu2_matmul_fp8_t 0.360 ms against relu2_matmul_fp8's 0.280; relu2_matmul_grad_fp8 0.696 against the
+bf16 relu2_matmul_grad's 0.394, of which the transposed copy costs 0.08 and the amax, reduced across the tile and
+added atomically at every tile, 0.19 (the kernel writing the row-major copy alone: 0.387).
+
+These are torch.library custom ops: torch.compile cannot trace Gluon kernels (its user-kernel support
 rewrites Triton source), so inductor calls them as opaque kernels. They run on compute capability 9 only (the
 warpgroup MMA is Hopper's); elsewhere ReLU2MLP runs the torch ops (supports()).
 
@@ -72,6 +82,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from model.fp8 import E4M3_MAX, delayed_scale
+
 # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps), the fastest for both directions of 8 in
 # bench/results/mlp_gluon_1xH200.json, and for matmul_add of 4 in bench/results/mlp_add_1xH200.json: 5 stages of
 # 128 x 64 and 64 x 128 operand tiles, one output and one h (or residual) tile take 224 KB of the SM's 227 KB of
@@ -82,6 +94,10 @@ CONFIG = (128, 128, 64, 5, 4)
 # fastest of 12 in bench/results/mlp_fp8_second_1xH200.json (0.1791 ms; the same tiles with 8 warps 0.1788, the
 # others 0.1887-0.2735; the bf16 matmul_add 0.3085)
 FP8_CONFIG = (128, 128, 128, 5, 4)
+# writing a transposed e4m3 copy as well: one stage fewer, as the change of the copy's layout in registers passes
+# through shared memory (5 stages asked for 245,800 bytes of the 232,448)
+FP8_T_CONFIG = (128, 128, 128, 4, 4)
+GRAD_FP8_CONFIG = (128, 128, 64, 4, 4)
 SMEM_BYTES = 227 * 1024  # shared memory a block may opt into on compute capability 9.0 (CUDA C++ Programming Guide)
 
 
@@ -135,16 +151,23 @@ RELU2 = 0  # relu(acc)^2: the MLP's hidden h
 RELU2_GRAD = 1  # acc * 2 sqrt(t), t = h: the pre-activation's gradient
 ADD = 2  # acc + t, t = the residual stream: the MLP's output added to it
 _RELU2, _RELU2_GRAD = gl.constexpr(RELU2), gl.constexpr(RELU2_GRAD)  # as the kernel reads them (globals are constexpr)
+_E4M3_MAX = gl.constexpr(E4M3_MAX)
 
 
 @gluon.jit
-def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, scale_ptr, out8_desc, out8_scale_ptr, ACC_LAYOUT: gl.constexpr,
-                   KSTEPS: gl.constexpr, STAGES: gl.constexpr, EPILOGUE: gl.constexpr, B_K_CONTIGUOUS: gl.constexpr,
-                   SHARED_TILE: gl.constexpr, SCALED: gl.constexpr, WRITES_FP8: gl.constexpr):
+def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, scale_ptr, out8_desc, out8t_desc, out8_scale_ptr, amax_ptr,
+                   ACC_LAYOUT: gl.constexpr, T_LAYOUT: gl.constexpr, KSTEPS: gl.constexpr, STAGES: gl.constexpr,
+                   EPILOGUE: gl.constexpr, B_K_CONTIGUOUS: gl.constexpr, SHARED_TILE: gl.constexpr,
+                   SCALED: gl.constexpr, WRITES_OUT: gl.constexpr, WRITES_FP8: gl.constexpr,
+                   WRITES_FP8_T: gl.constexpr, RECORDS_AMAX: gl.constexpr):
     """out = EPILOGUE(s * (A @ B)) in out's dtype, s = *scale_ptr with SCALED (FP8 operands' scales), else 1; t_desc
     is read only by the epilogues that take a tile (RELU2_GRAD, ADD). B is (K, N), or (N, K) with B_K_CONTIGUOUS.
-    With WRITES_FP8 (RELU2 only) the kernel also writes out's e4m3 copy, out * *out8_scale_ptr (the reciprocal of the
-    copy's scale), to out8_desc: from the fp32 result, not from out's rounding.
+    Without WRITES_OUT out_desc only gives the output's shape and nothing is stored there.
+    Out's e4m3 copies, out * *out8_scale_ptr (the reciprocal of the copy's scale) saturated at E4M3_MAX, from the
+    fp32 result, not from out's rounding: with WRITES_FP8 to out8_desc, (M, N) as out; with WRITES_FP8_T transposed,
+    to out8t_desc, (N, M), for a later product that contracts over M (Hopper's 8-bit MMA reads only K-major
+    operands). With RECORDS_AMAX the kernel raises *amax_ptr (fp32) to out's absolute maximum, for the next call's
+    scale.
     Tiles past an edge read zeros and store nothing there (TMA).
     With SHARED_TILE the t tile lands in the output's buffer, where shared memory holds no second tile beside the
     ring: each tile's t is then asked for halfway through its products, once the tile before has left the buffer."""
@@ -160,9 +183,12 @@ def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, scale_ptr, out8_desc, out8_
     total = my_tiles * KSTEPS
 
     a_bufs, b_bufs, ready = _ring(a_desc, b_desc, STAGES)
-    out_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
+    if WRITES_OUT:
+        out_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
     if WRITES_FP8:
         out8_smem = gl.allocate_shared_memory(out8_desc.dtype, out8_desc.block_type.shape, out8_desc.layout)
+    if WRITES_FP8_T:  # a (BLOCK_N, BLOCK_M) tile, filled through its transposed view
+        out8t_smem = gl.allocate_shared_memory(out8t_desc.dtype, out8t_desc.block_type.shape, out8t_desc.layout)
     if READS_TILE:
         if SHARED_TILE:
             t_smem = out_smem
@@ -213,15 +239,25 @@ def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, scale_ptr, out8_desc, out8_
         else:
             relu = gl.maximum(acc, 0.0)
             out = relu * relu
-        tma.store_wait(pendings=0)  # the previous tile's stores have left out_smem (and out8_smem)
-        out_smem.store(out.to(dtype))
-        if WRITES_FP8:
-            out8_smem.store((out * gl.load(out8_scale_ptr)).to(out8_desc.dtype))
+        if RECORDS_AMAX:  # (tiles past an edge hold zeros there: the operands' padding)
+            gl.atomic_max(amax_ptr, gl.max(gl.max(gl.abs(out), axis=1), axis=0))
+        tma.store_wait(pendings=0)  # the previous tile's stores have left the staging tiles
+        if WRITES_OUT:
+            out_smem.store(out.to(dtype))
+        if WRITES_FP8 or WRITES_FP8_T:
+            out8 = gl.minimum(gl.maximum(out * gl.load(out8_scale_ptr), -_E4M3_MAX), _E4M3_MAX).to(gl.float8e4nv)
+            if WRITES_FP8:
+                out8_smem.store(out8)
+            if WRITES_FP8_T:  # each thread's 16 values of one column, consecutive rows: 16-byte stores
+                out8t_smem.permute((1, 0)).store(gl.convert_layout(out8, T_LAYOUT))
         fence_async_shared()
         off_m, off_n = (tile // tiles_n) * BLOCK_M, (tile % tiles_n) * BLOCK_N
-        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
+        if WRITES_OUT:
+            tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
         if WRITES_FP8:
             tma.async_copy_shared_to_global(out8_desc, [off_m, off_n], out8_smem)
+        if WRITES_FP8_T:
+            tma.async_copy_shared_to_global(out8t_desc, [off_n, off_m], out8t_smem)
     tma.store_wait(pendings=0)
 
 
@@ -247,12 +283,15 @@ def _descriptor(t: Tensor, block: tuple[int, int]) -> TensorDescriptor:
 
 
 def launch(a_MK: Tensor, b: Tensor, t_MN: Tensor | None, epilogue: int, config: tuple[int, ...] = CONFIG,
-           scale: Tensor | None = None, out8_MN: Tensor | None = None, out8_inv_scale: Tensor | None = None) -> Tensor:
+           scale: Tensor | None = None, out8_MN: Tensor | None = None, out8_inv_scale: Tensor | None = None,
+           out8_NM: Tensor | None = None, amax: Tensor | None = None, writes_out: bool = True) -> Tensor | None:
     """The kernel on new output, EPILOGUE(a @ B): B = b (K, N) for RELU2 and RELU2_GRAD, B = b.t() for ADD (b is
     then the (N, K) weight as stored); t_MN is the epilogue's tile source (None for RELU2). config as CONFIG.
     FP8 (e4m3) operands: b is always (N, K), as the warpgroup MMA reads 8-bit operands only K-major, the product is
-    multiplied by the 0-D fp32 `scale` (their scales' product) and the output is bf16. With out8_MN (RELU2 only)
-    the kernel also fills it with the output's e4m3 copy, the fp32 output times the 0-D fp32 out8_inv_scale."""
+    multiplied by the 0-D fp32 `scale` (their scales' product) and the output is bf16. The output's e4m3 copies, the
+    fp32 output times the 0-D fp32 out8_inv_scale, saturated (RELU2 and RELU2_GRAD): into out8_MN, and transposed
+    into out8_NM. With amax (0-D fp32) the kernel raises it to the output's absolute maximum. Without writes_out
+    only the copies are written, and launch returns None."""
     fp8 = a_MK.dtype == torch.float8_e4m3fn
     if fp8:
         torch._check(b.dtype == a_MK.dtype and scale is not None and a_MK.is_contiguous() and b.is_contiguous()
@@ -262,9 +301,13 @@ def launch(a_MK: Tensor, b: Tensor, t_MN: Tensor | None, epilogue: int, config: 
         torch._check(supports(a_MK, b), lambda: "the MLP kernels take contiguous bf16 operands on a Hopper GPU, "
                                                 "with K and N multiples of 8 (model.mlp_kernels.supports)")
     torch._check((t_MN is None) == (epilogue == RELU2), lambda: "RELU2 reads no tile; the other epilogues need one")
-    torch._check(out8_MN is None or (epilogue == RELU2 and out8_inv_scale is not None
-                                     and out8_MN.dtype == torch.float8_e4m3fn and out8_MN.is_contiguous()),
-                 lambda: "only RELU2 writes an e4m3 copy, into a contiguous e4m3 tensor, with its scale")
+    copies = [c for c in (out8_MN, out8_NM) if c is not None]
+    torch._check(not copies or (epilogue != ADD and out8_inv_scale is not None
+                                and all(c.dtype == torch.float8_e4m3fn and c.is_contiguous() for c in copies)),
+                 lambda: "only RELU2 and RELU2_GRAD write e4m3 copies, into contiguous e4m3 tensors, with their scale")
+    torch._check(writes_out or bool(copies), lambda: "a launch without writes_out must write an e4m3 copy")
+    torch._check(amax is None or (amax.dtype == torch.float32 and amax.dim() == 0),
+                 lambda: "amax must be a 0-D fp32 tensor")
     b_k_contiguous = epilogue == ADD or fp8
     (M, K), N = a_MK.shape, b.size(0 if b_k_contiguous else 1)
     torch._check(b.size(1 if b_k_contiguous else 0) == K, lambda: f"the weight {tuple(b.shape)} does not take K={K}")
@@ -272,28 +315,42 @@ def launch(a_MK: Tensor, b: Tensor, t_MN: Tensor | None, epilogue: int, config: 
     out_MN = torch.empty((M, N), dtype=torch.bfloat16 if fp8 else a_MK.dtype, device=a_MK.device)
     torch._check(out8_MN is None or (out8_MN.shape == out_MN.shape and N % 16 == 0),
                  lambda: f"the e4m3 copy must be ({M}, {N}), N a multiple of 16 (TMA's 16-byte rows)")
+    torch._check(out8_NM is None or (out8_NM.shape == (N, M) and M % 16 == 0),
+                 lambda: f"the transposed e4m3 copy must be ({N}, {M}), M a multiple of 16 (TMA's 16-byte rows)")
     out_desc = _descriptor(out_MN, (block_m, block_n))
     t_desc = out_desc if t_MN is None else _descriptor(t_MN, (block_m, block_n))
     out8_desc = out_desc if out8_MN is None else _descriptor(out8_MN, (block_m, block_n))
+    out8t_desc = out_desc if out8_NM is None else _descriptor(out8_NM, (block_n, block_m))
     b_desc = _descriptor(b, (block_n, block_k) if b_k_contiguous else (block_k, block_n))
     tiles = -(-M // block_m) * -(-N // block_n)
     programs = min(tiles, torch.cuda.get_device_properties(a_MK.device).multi_processor_count)
-    # the epilogue's tile gets a buffer of its own where the ring, the output's tile and it fit (1 KB left for the
+    # the epilogue's tile gets a buffer of its own where the ring, the staging tiles and it fit (1 KB left for the
     # barriers), else it shares the output's
     ring_bytes = stages * (block_m + block_n) * block_k * a_MK.element_size()
     tile_bytes = block_m * block_n * out_MN.element_size()
-    shared_tile = t_MN is not None and ring_bytes + 2 * tile_bytes + 1024 > SMEM_BYTES
+    staging_bytes = (tile_bytes if writes_out else 0) + len(copies) * block_m * block_n
+    shared_tile = t_MN is not None and ring_bytes + staging_bytes + tile_bytes + 1024 > SMEM_BYTES
+    torch._check(not shared_tile or writes_out, lambda: f"config {config}: the ring, the copies' staging tiles and "
+                                                        f"the epilogue's tile do not fit in shared memory")
     # the accumulator as the warpgroup MMA leaves it: warps stacked along M, one instruction spanning the tile's N
     # and 32 bytes of K
     acc_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                            instr_shape=[16, block_n, 32 // a_MK.element_size()])
+    # the transposed copy's tile in registers before its store: each thread 16 consecutive rows (tokens) of one
+    # column, the warps owning the accumulator's rows, so that the change of layout stays within each warp. Stored
+    # from the accumulator's layout (pairs of columns, rows 8 apart) each e4m3 value took a store of its own, and the
+    # MLP's backward kernel 0.72 ms in the step against 0.42 without the copy
+    # (bench/results/kernels_step28_1xH200_fp8_backward_first.txt)
+    t_layout = gl.BlockedLayout(size_per_thread=[16, 1], threads_per_warp=[1, 32], warps_per_cta=[warps, 1],
+                                order=[0, 1])
     _matmul_kernel[(programs,)](
         _descriptor(a_MK, (block_m, block_k)), b_desc, out_desc, t_desc, out_MN if scale is None else scale,
-        out8_desc, out_MN if out8_inv_scale is None else out8_inv_scale,
-        ACC_LAYOUT=acc_layout, KSTEPS=-(-K // block_k), STAGES=stages, EPILOGUE=epilogue,
-        B_K_CONTIGUOUS=b_k_contiguous, SHARED_TILE=shared_tile, SCALED=scale is not None,
-        WRITES_FP8=out8_MN is not None, num_warps=warps)
-    return out_MN
+        out8_desc, out8t_desc, out_MN if out8_inv_scale is None else out8_inv_scale, out_MN if amax is None else amax,
+        ACC_LAYOUT=acc_layout, T_LAYOUT=t_layout, KSTEPS=-(-K // block_k), STAGES=stages, EPILOGUE=epilogue,
+        B_K_CONTIGUOUS=b_k_contiguous, SHARED_TILE=shared_tile, SCALED=scale is not None, WRITES_OUT=writes_out,
+        WRITES_FP8=out8_MN is not None, WRITES_FP8_T=out8_NM is not None, RECORDS_AMAX=amax is not None,
+        num_warps=warps)
+    return out_MN if writes_out else None
 
 
 @torch.library.custom_op("speedrun::relu2_matmul", mutates_args=())
@@ -345,6 +402,45 @@ def relu2_matmul_fp8(x8_MK: Tensor, w8_NK: Tensor, scale: Tensor, h_inv_scale: T
 def _(x8_MK: Tensor, w8_NK: Tensor, scale: Tensor, h_inv_scale: Tensor) -> tuple[Tensor, Tensor]:
     shape = (x8_MK.size(0), w8_NK.size(0))
     return x8_MK.new_empty(shape, dtype=torch.bfloat16), x8_MK.new_empty(shape)
+
+
+@torch.library.custom_op("speedrun::relu2_matmul_fp8_t", mutates_args=())
+def relu2_matmul_fp8_t(x8_MK: Tensor, w8_NK: Tensor, scale: Tensor,
+                       h_inv_scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """relu2_matmul_fp8's h and e4m3 copy, and that copy transposed, (N, M), for the backward's product that
+    contracts over the tokens: model.layers.relu2_matmul_fp8_t."""
+    (M, _), N = x8_MK.shape, w8_NK.size(0)
+    h8_MN, h8_NM = x8_MK.new_empty((M, N)), x8_MK.new_empty((N, M))
+    return launch(x8_MK, w8_NK, None, RELU2, FP8_T_CONFIG, scale, h8_MN, h_inv_scale, h8_NM), h8_MN, h8_NM
+
+
+@relu2_matmul_fp8_t.register_fake
+def _(x8_MK: Tensor, w8_NK: Tensor, scale: Tensor, h_inv_scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    (M, _), N = x8_MK.shape, w8_NK.size(0)
+    return x8_MK.new_empty((M, N), dtype=torch.bfloat16), x8_MK.new_empty((M, N)), x8_MK.new_empty((N, M))
+
+
+@torch.library.custom_op("speedrun::relu2_matmul_grad_fp8", mutates_args=("amax",))
+def relu2_matmul_grad_fp8(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor,
+                          amax: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """relu2_matmul_grad's gradient written only as e4m3 copies, (M, N) and transposed (N, M), at the scale of amax
+    (model.fp8.delayed_scale), which the kernel then sets to this gradient's absolute maximum: (g8, g8 transposed,
+    scale). model.layers.relu2_matmul_grad_fp8."""
+    torch._check(h_MN.shape == (grad_y_MK.size(0), w_KN.size(1)) and h_MN.dtype == grad_y_MK.dtype
+                 and h_MN.is_contiguous(), lambda: "h must be the forward's contiguous (M, N) output")
+    scale = delayed_scale(amax)
+    amax.zero_()  # after the scale is read: the kernel's programs raise it from 0
+    g8_MN, g8_NM = h_MN.new_empty(h_MN.shape, dtype=torch.float8_e4m3fn), h_MN.new_empty(
+        h_MN.shape[::-1], dtype=torch.float8_e4m3fn)
+    launch(grad_y_MK, w_KN, h_MN, RELU2_GRAD, GRAD_FP8_CONFIG, out8_MN=g8_MN, out8_inv_scale=1 / scale,
+           out8_NM=g8_NM, amax=amax, writes_out=False)
+    return g8_MN, g8_NM, scale
+
+
+@relu2_matmul_grad_fp8.register_fake
+def _(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor, amax: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return (h_MN.new_empty(h_MN.shape, dtype=torch.float8_e4m3fn),
+            h_MN.new_empty(h_MN.shape[::-1], dtype=torch.float8_e4m3fn), amax.new_empty(()))
 
 
 @torch.library.custom_op("speedrun::matmul_add_fp8", mutates_args=())

@@ -141,11 +141,13 @@ def fp8_forward_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def use_device_paths(model, device: torch.device, fp8_head: bool = False, fp8_forward: bool = False) -> None:
+def use_device_paths(model, device: torch.device, fp8_head: bool = False, fp8_forward: bool = False,
+                     fp8_backward: bool = False) -> None:
     """Pick the model's kernels for `device`. FlexAttention has no CPU backward, so on the CPU the same mask
     runs through SDPA (tests prove the two equal); CPUs without bf16 units emulate it slowly, so CPU math is fp32.
     The LM head's fused loss saves GPU memory and time; on the CPU plain F.cross_entropy is faster. It runs in
-    FP8 when asked for and the GPU has it; so do the blocks' forward products (model/fp8.py)."""
+    FP8 when asked for and the GPU has it; so do the blocks' forward products (model/fp8.py), and with them the MLPs'
+    backward products (ReLU2MLP)."""
     cuda = device.type == "cuda"
     model.attention_backend = "flex" if cuda else "sdpa"
     if not cuda:
@@ -159,6 +161,8 @@ def use_device_paths(model, device: torch.device, fp8_head: bool = False, fp8_fo
         for part in (block.attn, block.mlp):
             if part is not None:
                 part.fp8 = fp8_forward and fp8_fits and fp8_forward_supported(device)
+            if block.mlp is not None:
+                block.mlp.fp8_backward = block.mlp.fp8 and fp8_backward
 
 
 def setup(device_flag: str) -> Runtime:

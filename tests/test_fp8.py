@@ -1,4 +1,4 @@
-"""The blocks' FP8 forward products (model/fp8.py, ReLU2MLP's fp8 path in model/layers.py): the e4m3 copies and their
+"""The blocks' FP8 products (model/fp8.py, ReLU2MLP's fp8 paths in model/layers.py): the e4m3 copies and their
 scales, the products against fp32 torch ops on the same FP8 values, and the backward against bf16 autograd's.
 The MLP's FP8 kernels run on a Hopper GPU only (`pytest -m gpu`); torch._scaled_mm runs on the CPU too."""
 import pytest
@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from helpers import output_and_grads as grads
 from model import layers
-from model.fp8 import E4M3_MAX, NormedFP8Linear, normed_operands, normed_scale, relu2_scale, scale_of, to_e4m3
+from model.fp8 import (E4M3_MAX, NormedFP8Linear, delayed_scale, normed_operands, normed_scale, relu2_scale, scale_of,
+                       to_e4m3)
 from model.config import GPTConfig
 from model.gpt import GPT
 from runtime.dist import use_device_paths
@@ -131,6 +132,63 @@ def test_fp8_mlp_on_torch_ops():
     assert (got[3].float() - want[3].float()).abs().max() > 0  # h differs: the first product was FP8
 
 
+def fp8_backward_operands(m, d, f, device="cpu"):
+    g = torch.Generator(device).manual_seed(2)
+    x = normed(m, d, device).bfloat16()
+    w1, w2 = [(torch.randn(d, f, generator=g, device=device) * d ** -0.5).bfloat16() for _ in range(2)]
+    r, grad_y = [torch.randn(m, d, generator=g, device=device).bfloat16() for _ in range(2)]
+    return x, w1, w2, r, grad_y
+
+
+def decoded(t8, scale):
+    return t8.double() * scale.double()
+
+
+@pytest.mark.parametrize("history", [1.0, 0.5])
+def test_fp8_backward_mlp_on_torch_ops(history):
+    """ReLU2MLP with grad_amax off the kernels: each of the backward's three FP8 products equals fp64's product of
+    the e4m3 copies it reads, up to one rounding of its output; the pre-activation's gradient is copied at the
+    delayed scale of grad_amax's value before the call (the true amax, or half of it: the largest values saturate),
+    and grad_amax then holds this gradient's amax; the forward and the residual's gradient are the FP8 forward's.
+    With the true amax as history, all four gradients within FP8's error of the bf16 MLP's."""
+    x, w1, w2, r, grad_y = fp8_backward_operands(64, 32, 128)
+    x_scale, w_scale = normed_scale(x), scale_of(w1)
+    x8, w8 = to_e4m3(x, x_scale), to_e4m3(w1.t(), w_scale).contiguous()
+    h_scale = relu2_scale(w8, x_scale * w_scale)
+    h, h8 = layers.relu2_matmul_fp8(x8, w8, x_scale * w_scale, 1 / h_scale)
+    grad_pre = layers.relu2_matmul_grad(grad_y.float(), w2.float(), h.float())
+    amax = (history * grad_pre.abs().amax()).reshape(())
+    g_scale = delayed_scale(amax)
+
+    got = grads(lambda *a: layers.ReLU2MLP.apply(*a, True, amax), x, w1, w2, r, grad_y)
+    torch.testing.assert_close(amax, grad_pre.abs().amax(), rtol=0, atol=0)
+    g8 = to_e4m3(grad_pre, g_scale)
+    assert (grad_pre.abs() > E4M3_MAX * g_scale).any() == (history < 1)  # values past the scale's range or none
+    gy_scale, fc_scale = scale_of(grad_y), scale_of(w1)
+    want = [r.double() + decoded(h8, h_scale) @ decoded(to_e4m3(w2, scale_of(w2)), scale_of(w2)).t(),
+            decoded(g8, g_scale) @ decoded(to_e4m3(w1, fc_scale), fc_scale).t(),
+            decoded(x8, x_scale).t() @ decoded(g8, g_scale),
+            decoded(to_e4m3(grad_y, gy_scale), gy_scale).t() @ decoded(h8, h_scale)]
+    for a, b in zip(got[:4], want, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=2.0 ** -8, atol=1e-6 * b.abs().max().item())
+    assert torch.equal(got[4], grad_y)
+    if history == 1:  # (at half, the saturated values' gradients are clipped: W1's off by 41% of its largest)
+        bf16 = grads(bf16_mlp, x, w1, w2, r, grad_y)
+        for a, b in zip(got, bf16, strict=True):
+            assert (a.float() - b.float()).abs().max() < 0.1 * b.float().abs().max()
+
+
+def test_a_site_without_history_gets_scale_one():
+    """grad_amax 0 (a new run, or a resumed one: the buffer is not saved) copies the first gradient at scale 1 and
+    records its amax for the next call."""
+    x, w1, w2, r, grad_y = fp8_backward_operands(64, 32, 128)
+    amax = torch.zeros(())
+    h = layers.relu2_matmul_fp8_t(*normed_operands(x, w1)[:2], normed_operands(x, w1)[2], torch.ones(()))[0]
+    g8, g8t, scale = layers.relu2_matmul_grad_fp8(grad_y, w2, h, amax)
+    assert scale.item() == 1.0 and torch.equal(g8t.float(), g8.float().t())
+    assert amax.item() == layers.relu2_matmul_grad(grad_y.float(), w2.float(), h.float()).abs().max().item() > 0
+
+
 def small_model(dim=64):
     return GPT(GPTConfig(num_layers=2, model_dim=dim, num_heads=2, head_dim=dim // 2,
                          num_value_embeds=1))
@@ -140,11 +198,15 @@ def fp8_parts(model):
     return [part.fp8 for b in model.blocks for part in (b.attn, b.mlp) if part is not None]
 
 
+def fp8_backward_parts(model):
+    return [b.mlp.fp8_backward for b in model.blocks if b.mlp is not None]
+
+
 def test_fp8_stays_off_where_its_kernels_cannot_run():
-    """On the CPU (and any GPU but Hopper) --fp8_forward leaves every block in bf16."""
+    """On the CPU (and any GPU but Hopper) --fp8_forward and --fp8_backward leave every block in bf16."""
     model = small_model()
-    use_device_paths(model, torch.device("cpu"), fp8_forward=True)
-    assert fp8_parts(model) == [False] * 4
+    use_device_paths(model, torch.device("cpu"), fp8_forward=True, fp8_backward=True)
+    assert fp8_parts(model) == [False] * 4 and fp8_backward_parts(model) == [False] * 2
 
 
 @gpu
@@ -153,9 +215,11 @@ def test_fp8_is_on_for_every_block_on_hopper_where_the_widths_allow():
     """On, off as asked; and off for a width whose FP8 rows would not be 16-byte aligned (8 channels)."""
     model = small_model()
     use_device_paths(model, torch.device("cuda"), fp8_forward=True)
-    assert fp8_parts(model) == [True] * 4
+    assert fp8_parts(model) == [True] * 4 and fp8_backward_parts(model) == [False] * 2
+    use_device_paths(model, torch.device("cuda"), fp8_forward=True, fp8_backward=True)
+    assert fp8_parts(model) == [True] * 4 and fp8_backward_parts(model) == [True] * 2
     use_device_paths(model, torch.device("cuda"), fp8_forward=False)
-    assert fp8_parts(model) == [False] * 4
+    assert fp8_parts(model) == [False] * 4 and fp8_backward_parts(model) == [False] * 2
     narrow = small_model(dim=8)
     use_device_paths(narrow, torch.device("cuda"), fp8_forward=True)
     assert fp8_parts(narrow) == [False] * 4
@@ -242,4 +306,75 @@ def test_compiled_fp8_mlp_calls_the_fp8_kernel():
     ops = sorted(re.findall(r"torch\.ops\.speedrun\.(\w+)\.default\(", "\n".join(codes)))
     assert ops == ["matmul_add_fp8", "relu2_matmul_fp8", "relu2_matmul_grad"]
     for a, b in zip(got, grads(fp8_mlp, x, w1, w2, r, grad_y), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("m, k, n", [(49152, 768, 3072), (4112, 80, 1040)])
+def test_fp8_kernel_writes_the_transposed_copy(m, k, n):
+    """relu2_matmul_fp8_t: h and its e4m3 copy equal relu2_matmul_fp8's bit for bit, and the transposed copy is
+    that copy's transpose, at the record's shape and one off every tile (4112 = 32 x 128 + 16 tokens, 1040 = 8 x 128
+    + 16 hidden units)."""
+    from model import mlp_kernels
+
+    x, w1 = normed(m, k, "cuda").bfloat16(), (torch.randn(k, n, device="cuda") * k ** -0.5).bfloat16()
+    x8, w8, scale = normed_operands(x, w1)
+    inv = 1 / relu2_scale(w8, scale)
+    h, h8 = mlp_kernels.relu2_matmul_fp8(x8, w8, scale, inv)
+    got_h, got8, got8t = mlp_kernels.relu2_matmul_fp8_t(x8, w8, scale, inv)
+    assert torch.equal(got_h, h) and torch.equal(got8.view(torch.uint8), h8.view(torch.uint8))
+    assert torch.equal(got8t.view(torch.uint8), h8.t().contiguous().view(torch.uint8))
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("m, k, n", [(49152, 768, 3072), (4112, 80, 1040)])
+@pytest.mark.parametrize("history", [1.0, 0.5])
+def test_fp8_grad_kernel_matches_torch_ops(m, k, n, history):
+    """relu2_matmul_grad_fp8 against the torch ops of the same name: the scale is grad_amax's delayed one; the
+    copy, decoded, within one e4m3 rounding of the fp32 gradient, saturated past the scale's range (half the true
+    amax as history); the transposed copy its transpose; grad_amax then the gradient's amax, up to the products'
+    fp32 accumulation order."""
+    from model import mlp_kernels
+
+    x, w1, w2, _, grad_y = fp8_backward_operands(m, k, n, "cuda")
+    h = mlp_kernels.relu2_matmul_fp8(*normed_operands(x, w1), torch.ones((), device="cuda"))[0]
+    want_amax = torch.zeros((), device="cuda")
+    layers.relu2_matmul_grad_fp8(grad_y, w2, h, want_amax)
+    amax = history * want_amax
+    scale_before = delayed_scale(amax)
+    g8, g8t, scale = mlp_kernels.relu2_matmul_grad_fp8(grad_y, w2, h, amax)
+    assert torch.equal(scale, scale_before)
+    torch.testing.assert_close(amax, want_amax, rtol=1e-5, atol=0)
+    assert torch.equal(g8t.view(torch.uint8), g8.t().contiguous().view(torch.uint8))
+    exact = layers.relu2_matmul_grad(grad_y.double(), w2.double(), h.double())
+    clipped = exact.clamp(-E4M3_MAX * scale.item(), E4M3_MAX * scale.item())
+    err = (decoded(g8, scale) - clipped).abs()
+    bound = E4M3_RTOL * clipped.abs() + 2.0 ** -10 * scale.item() + 1e-5 * exact.abs().max()  # (+ fp32 sums)
+    assert (err <= bound).all(), (err - bound).max().item()
+    assert (g8.float().abs() == E4M3_MAX).sum() > (1 if history < 1 else 0) * m // 100
+
+
+@gpu
+@hopper
+def test_compiled_fp8_backward_mlp_calls_the_fp8_kernels():
+    """Under torch.compile the FP8 backward calls the two kernels that write the copies, updates grad_amax as in
+    eager, and gives the eager results."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    x, w1, w2, r, grad_y = fp8_backward_operands(4096, 768, 3072, "cuda")
+    amax = torch.zeros((), device="cuda")
+    grads(lambda *a: layers.ReLU2MLP.apply(*a, True, amax), x, w1, w2, r, grad_y)  # amax's history
+    history = amax.clone()
+    want = grads(lambda *a: layers.ReLU2MLP.apply(*a, True, amax), x, w1, w2, r, grad_y)
+    assert torch.equal(amax, history) and history > 0  # the same gradient again, the same amax
+    compiled = torch.compile(lambda *a: layers.ReLU2MLP.apply(*a, True, amax), dynamic=False)
+    got, codes = run_and_get_code(grads, compiled, x, w1, w2, r, grad_y)
+    ops = sorted(re.findall(r"torch\.ops\.speedrun\.(\w+)\.default\(", "\n".join(codes)))
+    assert ops == ["matmul_add_fp8", "relu2_matmul_fp8_t", "relu2_matmul_grad_fp8"]
+    assert torch.equal(amax, history)
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
