@@ -60,10 +60,11 @@ first product also writes h's copy transposed (relu2_matmul_fp8_t), and the back
 pre-activation's gradient only as e4m3 copies, row-major and transposed, at a delayed scale, recording its amax
 (relu2_matmul_grad_fp8). A transposed copy's tile changes its layout in registers first, so that each thread stores
 16 consecutive tokens of one column; that change passes through shared memory, which costs a stage of the ring
-(FP8_T_CONFIG, GRAD_FP8_CONFIG). Measured alone (bench/results/mlp_fp8_backward_kernels_1xH200.json, CUDA graphs,
-idle GPU): relu2_matmul_fp8_t 0.360 ms against relu2_matmul_fp8's 0.280; relu2_matmul_grad_fp8 0.696 against the
-bf16 relu2_matmul_grad's 0.394, of which the transposed copy costs 0.08 and the amax, reduced across the tile and
-added atomically at every tile, 0.19 (the kernel writing the row-major copy alone: 0.387).
+(FP8_T_CONFIG, GRAD_FP8_CONFIG); whether it beats storing from the accumulator's layout at 5 stages is not
+measured. Measured alone (bench/results/mlp_fp8_backward_kernels_1xH200.json, CUDA graphs, idle GPU):
+relu2_matmul_fp8_t 0.360 ms against relu2_matmul_fp8's 0.280; relu2_matmul_grad_fp8 0.696 against the bf16
+relu2_matmul_grad's 0.394, of which the transposed copy costs 0.08 and the amax, reduced across the tile and added
+atomically at every tile, 0.19 (the kernel writing the row-major copy alone: 0.387).
 
 These are torch.library custom ops: torch.compile cannot trace Gluon kernels (its user-kernel support
 rewrites Triton source), so inductor calls them as opaque kernels. They run on compute capability 9 only (the
@@ -337,10 +338,10 @@ def launch(a_MK: Tensor, b: Tensor, t_MN: Tensor | None, epilogue: int, config: 
     acc_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                            instr_shape=[16, block_n, 32 // a_MK.element_size()])
     # the transposed copy's tile in registers before its store: each thread 16 consecutive rows (tokens) of one
-    # column, the warps owning the accumulator's rows, so that the change of layout stays within each warp. Stored
-    # from the accumulator's layout (pairs of columns, rows 8 apart) each e4m3 value took a store of its own, and the
-    # MLP's backward kernel 0.72 ms in the step against 0.42 without the copy
-    # (bench/results/kernels_step28_1xH200_fp8_backward_first.txt)
+    # column, the warps owning the accumulator's rows, so that the change of layout stays within each warp. From the
+    # accumulator's layout (pairs of columns, rows 8 apart) each e4m3 value would take a store of its own. Not
+    # measured against that first form alone; in the step the first form's backward kernel took 0.72 ms, amax
+    # included (bench/results/README.md, 93fe8a7)
     t_layout = gl.BlockedLayout(size_per_thread=[16, 1], threads_per_warp=[1, 32], warps_per_cta=[warps, 1],
                                 order=[0, 1])
     _matmul_kernel[(programs,)](
