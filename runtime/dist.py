@@ -161,8 +161,8 @@ def use_device_paths(model, device: torch.device, fp8_head: bool = False, fp8_fo
         for part in (block.attn, block.mlp):
             if part is not None:
                 part.fp8 = fp8_forward and fp8_fits and fp8_forward_supported(device)
-            if block.mlp is not None:
-                block.mlp.fp8_backward = block.mlp.fp8 and fp8_backward
+        if block.mlp is not None:
+            block.mlp.fp8_backward = block.mlp.fp8 and fp8_backward
 
 
 def setup(device_flag: str) -> Runtime:
