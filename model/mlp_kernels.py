@@ -431,8 +431,8 @@ def relu2_matmul_grad_fp8(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor,
                  and h_MN.is_contiguous(), lambda: "h must be the forward's contiguous (M, N) output")
     scale = delayed_scale(amax)
     amax.zero_()  # after the scale is read: the kernel's programs raise it from 0
-    g8_MN, g8_NM = h_MN.new_empty(h_MN.shape, dtype=torch.float8_e4m3fn), h_MN.new_empty(
-        h_MN.shape[::-1], dtype=torch.float8_e4m3fn)
+    g8_MN = h_MN.new_empty(h_MN.shape, dtype=torch.float8_e4m3fn)
+    g8_NM = h_MN.new_empty(h_MN.shape[::-1], dtype=torch.float8_e4m3fn)
     launch(grad_y_MK, w_KN, h_MN, RELU2_GRAD, GRAD_FP8_CONFIG, out8_MN=g8_MN, out8_inv_scale=1 / scale,
            out8_NM=g8_NM, amax=amax, writes_out=False)
     return g8_MN, g8_NM, scale
