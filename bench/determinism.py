@@ -81,7 +81,8 @@ def main() -> None:
         for p in model.parameters():
             if p.abs().max() == 0:
                 p.normal_(0, 0.02)
-    dist.use_device_paths(model, device, fp8_head=cfg.fp8_head, fp8_forward=cfg.fp8_forward)
+    dist.use_device_paths(model, device, fp8_head=cfg.fp8_head, fp8_forward=cfg.fp8_forward,
+                          fp8_backward=cfg.fp8_backward)
     if cuda:
         model.compile_regions()
     g = torch.Generator(device=device).manual_seed(1)
