@@ -330,9 +330,15 @@ class MLP(nn.Module):
         self.proj_w = nn.Parameter(torch.empty(dim, hidden_dim))
         self.fp8 = False  # the forward's products in FP8 (ReLU2MLP); set by runtime.dist.use_device_paths
         self.fp8_backward = False  # with fp8, the backward's products after the first too; likewise set
-        # the absolute maximum of the last gradient of relu(pre)^2's input, for the next one's e4m3 scale (ReLU2MLP);
-        # not saved: a resumed run starts without history, as a new one does
+        # the absolute maximum of the last gradient of relu(pre)^2's input, for the next one's e4m3 scale (ReLU2MLP).
+        # Not saved, and forgotten when weights are loaded: a resumed run starts without history, as a new one does,
+        # and so does the timed run after train_gpt2's warm-up, which restores the initial weights
         self.register_buffer("grad_amax", torch.zeros(()), persistent=False)
+        self.register_load_state_dict_post_hook(MLP._forget_history)
+
+    @staticmethod
+    def _forget_history(module: "MLP", incompatible_keys) -> None:
+        module.grad_amax.zero_()
 
     def init_weights(self) -> None:
         _uniform_(self.fc_w, 0.5 * self.fc_w.size(0) ** -0.5)  # std 0.5 / sqrt(fan_in): modded-nanogpt

@@ -198,6 +198,18 @@ def fp8_parts(model):
     return [part.fp8 for b in model.blocks for part in (b.attn, b.mlp) if part is not None]
 
 
+def test_loading_weights_forgets_the_gradient_history():
+    """The warm-up's restore of the initial weights (and a resume) starts the FP8 backward's scales afresh, as a new
+    run starts them: an MLP's grad_amax is 0 again after load_state_dict."""
+    model = small_model()
+    state = model.state_dict()
+    assert not any("grad_amax" in key for key in state)  # not saved
+    for block in model.blocks:
+        block.mlp.grad_amax.fill_(3.0)
+    model.load_state_dict(state)
+    assert [b.mlp.grad_amax.item() for b in model.blocks] == [0.0, 0.0]
+
+
 def fp8_backward_parts(model):
     return [b.mlp.fp8_backward for b in model.blocks if b.mlp is not None]
 
