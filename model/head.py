@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.fp8 import normed_scale, scale_of, to_e4m3
+from model.fp8 import fp8_mm, normed_scale, scale_of, to_e4m3
 from model.layers import norm
 
 try:  # the CUDA path's Triton kernels; CPU-only installs (CI) lack triton and run the torch ops below
@@ -128,8 +128,7 @@ class HeadLoss(torch.autograd.Function):
         if fp8:
             x_scale, w_scale = normed_scale(x_ND), scale_of(weight_VD)
             x_op, w_op = to_e4m3(x_ND, x_scale), to_e4m3(weight_VD, w_scale)
-            logits_NV = torch._scaled_mm(x_op, w_op.t(), scale_a=x_scale, scale_b=w_scale,
-                                         out_dtype=x_ND.dtype, use_fast_accum=True)
+            logits_NV = fp8_mm(x_op, w_op.t(), x_scale, w_scale, x_ND.dtype)
         else:
             x_scale = w_scale = None
             x_op, w_op = x_ND, weight_VD.type_as(x_ND)
