@@ -365,11 +365,16 @@ def _(x_MK: Tensor, w_KN: Tensor) -> Tensor:
     return x_MK.new_empty((x_MK.size(0), w_KN.size(1)))
 
 
+def _check_h(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor) -> None:
+    """The backward kernels' h: the forward's contiguous (M, N) output, in grad_y's dtype."""
+    torch._check(h_MN.shape == (grad_y_MK.size(0), w_KN.size(1)) and h_MN.dtype == grad_y_MK.dtype
+                 and h_MN.is_contiguous(), lambda: "h must be the forward's contiguous (M, N) output")
+
+
 @torch.library.custom_op("speedrun::relu2_matmul_grad", mutates_args=())
 def relu2_matmul_grad(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor) -> Tensor:
     """The pre-activation's gradient (grad_y @ w) * 2 sqrt(h): model.layers.relu2_matmul_grad."""
-    torch._check(h_MN.shape == (grad_y_MK.size(0), w_KN.size(1)) and h_MN.dtype == grad_y_MK.dtype
-                 and h_MN.is_contiguous(), lambda: "h must be the forward's contiguous (M, N) output")
+    _check_h(grad_y_MK, w_KN, h_MN)
     return launch(grad_y_MK, w_KN, h_MN, RELU2_GRAD)
 
 
@@ -427,8 +432,7 @@ def relu2_matmul_grad_fp8(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor,
     """relu2_matmul_grad's gradient written only as e4m3 copies, (M, N) and transposed (N, M), at the scale of amax
     (model.fp8.delayed_scale), which the kernel then sets to this gradient's absolute maximum: (g8, g8 transposed,
     scale). model.layers.relu2_matmul_grad_fp8."""
-    torch._check(h_MN.shape == (grad_y_MK.size(0), w_KN.size(1)) and h_MN.dtype == grad_y_MK.dtype
-                 and h_MN.is_contiguous(), lambda: "h must be the forward's contiguous (M, N) output")
+    _check_h(grad_y_MK, w_KN, h_MN)
     scale = delayed_scale(amax)
     amax.zero_()  # after the scale is read: the kernel's programs raise it from 0
     g8_MN = h_MN.new_empty(h_MN.shape, dtype=torch.float8_e4m3fn)
