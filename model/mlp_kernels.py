@@ -58,13 +58,15 @@ before (bench/results/README.md, pairs on one machine each).
 With --fp8_backward two more forms write e4m3 copies for the backward's FP8 products (ReLU2MLP): the forward's
 first product also writes h's copy transposed (relu2_matmul_fp8_t), and the backward's first product writes the
 pre-activation's gradient only as e4m3 copies, row-major and transposed, at a delayed scale, recording its amax
-(relu2_matmul_grad_fp8). A transposed copy's tile changes its layout in registers first, so that each thread stores
-16 consecutive tokens of one column; that change passes through shared memory, which costs a stage of the ring
-(FP8_T_CONFIG, GRAD_FP8_CONFIG); whether it beats storing from the accumulator's layout at 5 stages is not
-measured. Measured alone (bench/results/mlp_fp8_backward_kernels_1xH200.json, CUDA graphs, idle GPU):
-relu2_matmul_fp8_t 0.360 ms against relu2_matmul_fp8's 0.280; relu2_matmul_grad_fp8 0.696 against the bf16
-relu2_matmul_grad's 0.394, of which the transposed copy costs 0.08 and the amax, reduced across the tile and added
-atomically at every tile, 0.19 (the kernel writing the row-major copy alone: 0.387).
+(relu2_matmul_grad_fp8). Both keep the ring's 5 stages (FP8_CONFIG, CONFIG): the transposed copy is stored from the
+accumulator's layout through a transposed view of its staging tile. Measured alone
+(bench/results/mlp_fp8_backward_kernels_1xH200_final.json, CUDA graphs, idle GPU): relu2_matmul_fp8_t 0.347 ms
+against relu2_matmul_fp8's 0.279, relu2_matmul_grad_fp8 0.464 against the bf16 relu2_matmul_grad's 0.402. Two
+forms measured slower (bench/results/README.md, section "the MLP's backward in FP8, by default"): an atomic max of
+the amax at every tile (the kernel writing the row-major copy and the amax: 0.578 ms, against 0.391 when each program
+keeps its rows' maxima across its tiles and adds one atomic at its end), and a transposed copy whose layout changes
+in registers before its store, which passes through shared memory and so cost a stage of the ring
+(relu2_matmul_grad_fp8 0.544 ms, the amax added once).
 
 These are torch.library custom ops: torch.compile cannot trace Gluon kernels (its user-kernel support
 rewrites Triton source), so inductor calls them as opaque kernels. They run on compute capability 9 only (the
@@ -95,10 +97,6 @@ CONFIG = (128, 128, 64, 5, 4)
 # fastest of 12 in bench/results/mlp_fp8_second_1xH200.json (0.1791 ms; the same tiles with 8 warps 0.1788, the
 # others 0.1887-0.2735; the bf16 matmul_add 0.3085)
 FP8_CONFIG = (128, 128, 128, 5, 4)
-# writing a transposed e4m3 copy as well: one stage fewer, as the change of the copy's layout in registers passes
-# through shared memory (5 stages asked for 245,800 bytes of the 232,448)
-FP8_T_CONFIG = (128, 128, 128, 4, 4)
-GRAD_FP8_CONFIG = (128, 128, 64, 4, 4)
 SMEM_BYTES = 227 * 1024  # shared memory a block may opt into on compute capability 9.0 (CUDA C++ Programming Guide)
 
 
@@ -157,7 +155,7 @@ _E4M3_MAX = gl.constexpr(E4M3_MAX)
 
 @gluon.jit
 def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, scale_ptr, out8_desc, out8t_desc, out8_scale_ptr, amax_ptr,
-                   ACC_LAYOUT: gl.constexpr, T_LAYOUT: gl.constexpr, KSTEPS: gl.constexpr, STAGES: gl.constexpr,
+                   ACC_LAYOUT: gl.constexpr, KSTEPS: gl.constexpr, STAGES: gl.constexpr,
                    EPILOGUE: gl.constexpr, B_K_CONTIGUOUS: gl.constexpr, SHARED_TILE: gl.constexpr,
                    SCALED: gl.constexpr, WRITES_OUT: gl.constexpr, WRITES_FP8: gl.constexpr,
                    WRITES_FP8_T: gl.constexpr, RECORDS_AMAX: gl.constexpr):
@@ -203,6 +201,8 @@ def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, scale_ptr, out8_desc, out8t
                      B_K_CONTIGUOUS)
 
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=ACC_LAYOUT)
+    if RECORDS_AMAX:  # each row's amax over this program's tiles, reduced and added atomically once, at the end
+        row_amax = gl.zeros((BLOCK_M, ), dtype=gl.float32, layout=gl.SliceLayout(1, ACC_LAYOUT))
     i = 0
     # the epilogue sits between two loops, not in a branch of one: across a branch ptxas cannot see that the
     # accumulator is complete, and it waited for every product at each k-step (its warning C7517)
@@ -241,7 +241,7 @@ def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, scale_ptr, out8_desc, out8t
             relu = gl.maximum(acc, 0.0)
             out = relu * relu
         if RECORDS_AMAX:  # (tiles past an edge hold zeros there: the operands' padding)
-            gl.atomic_max(amax_ptr, gl.max(gl.max(gl.abs(out), axis=1), axis=0))
+            row_amax = gl.maximum(row_amax, gl.max(gl.abs(out), axis=1))
         tma.store_wait(pendings=0)  # the previous tile's stores have left the staging tiles
         if WRITES_OUT:
             out_smem.store(out.to(dtype))
@@ -249,8 +249,8 @@ def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, scale_ptr, out8_desc, out8t
             out8 = gl.minimum(gl.maximum(out * gl.load(out8_scale_ptr), -_E4M3_MAX), _E4M3_MAX).to(gl.float8e4nv)
             if WRITES_FP8:
                 out8_smem.store(out8)
-            if WRITES_FP8_T:  # each thread's 16 values of one column, consecutive rows: 16-byte stores
-                out8t_smem.permute((1, 0)).store(gl.convert_layout(out8, T_LAYOUT))
+            if WRITES_FP8_T:
+                out8t_smem.permute((1, 0)).store(out8)
         fence_async_shared()
         off_m, off_n = (tile // tiles_n) * BLOCK_M, (tile % tiles_n) * BLOCK_N
         if WRITES_OUT:
@@ -259,6 +259,8 @@ def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, scale_ptr, out8_desc, out8t
             tma.async_copy_shared_to_global(out8_desc, [off_m, off_n], out8_smem)
         if WRITES_FP8_T:
             tma.async_copy_shared_to_global(out8t_desc, [off_n, off_m], out8t_smem)
+    if RECORDS_AMAX:
+        gl.atomic_max(amax_ptr, gl.max(row_amax, axis=0))
     tma.store_wait(pendings=0)
 
 
@@ -306,19 +308,23 @@ def launch(a_MK: Tensor, b: Tensor, t_MN: Tensor | None, epilogue: int, config: 
     torch._check(not copies or (epilogue != ADD and out8_inv_scale is not None
                                 and all(c.dtype == torch.float8_e4m3fn and c.is_contiguous() for c in copies)),
                  lambda: "only RELU2 and RELU2_GRAD write e4m3 copies, into contiguous e4m3 tensors, with their scale")
-    torch._check(writes_out or bool(copies), lambda: "a launch without writes_out must write an e4m3 copy")
+    torch._check(writes_out or out8_MN is not None, lambda: "a launch without writes_out must write the (M, N) copy")
     torch._check(amax is None or (amax.dtype == torch.float32 and amax.dim() == 0),
                  lambda: "amax must be a 0-D fp32 tensor")
     b_k_contiguous = epilogue == ADD or fp8
     (M, K), N = a_MK.shape, b.size(0 if b_k_contiguous else 1)
     torch._check(b.size(1 if b_k_contiguous else 0) == K, lambda: f"the weight {tuple(b.shape)} does not take K={K}")
     block_m, block_n, block_k, stages, warps = config
-    out_MN = torch.empty((M, N), dtype=torch.bfloat16 if fp8 else a_MK.dtype, device=a_MK.device)
-    torch._check(out8_MN is None or (out8_MN.shape == out_MN.shape and N % 16 == 0),
+    out_dtype = torch.bfloat16 if fp8 else a_MK.dtype
+    # without writes_out no output is allocated (302 MB at the record's shape): the row-major copy's descriptor
+    # gives the kernel its shape
+    out_MN = torch.empty((M, N), dtype=out_dtype, device=a_MK.device) if writes_out else None
+    torch._check(out8_MN is None or (out8_MN.shape == (M, N) and N % 16 == 0),
                  lambda: f"the e4m3 copy must be ({M}, {N}), N a multiple of 16 (TMA's 16-byte rows)")
     torch._check(out8_NM is None or (out8_NM.shape == (N, M) and M % 16 == 0),
                  lambda: f"the transposed e4m3 copy must be ({N}, {M}), M a multiple of 16 (TMA's 16-byte rows)")
-    out_desc = _descriptor(out_MN, (block_m, block_n))
+    placeholder = out_MN if writes_out else out8_MN  # the tensor behind out_desc, and any pointer the kernel skips
+    out_desc = _descriptor(placeholder, (block_m, block_n))
     t_desc = out_desc if t_MN is None else _descriptor(t_MN, (block_m, block_n))
     out8_desc = out_desc if out8_MN is None else _descriptor(out8_MN, (block_m, block_n))
     out8t_desc = out_desc if out8_NM is None else _descriptor(out8_NM, (block_n, block_m))
@@ -328,7 +334,7 @@ def launch(a_MK: Tensor, b: Tensor, t_MN: Tensor | None, epilogue: int, config: 
     # the epilogue's tile gets a buffer of its own where the ring, the staging tiles and it fit (1 KB left for the
     # barriers), else it shares the output's
     ring_bytes = stages * (block_m + block_n) * block_k * a_MK.element_size()
-    tile_bytes = block_m * block_n * out_MN.element_size()
+    tile_bytes = block_m * block_n * out_dtype.itemsize
     staging_bytes = (tile_bytes if writes_out else 0) + len(copies) * block_m * block_n
     shared_tile = t_MN is not None and ring_bytes + staging_bytes + tile_bytes + 1024 > SMEM_BYTES
     torch._check(not shared_tile or writes_out, lambda: f"config {config}: the ring, the copies' staging tiles and "
@@ -337,21 +343,15 @@ def launch(a_MK: Tensor, b: Tensor, t_MN: Tensor | None, epilogue: int, config: 
     # and 32 bytes of K
     acc_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                            instr_shape=[16, block_n, 32 // a_MK.element_size()])
-    # the transposed copy's tile in registers before its store: each thread 16 consecutive rows (tokens) of one
-    # column, the warps owning the accumulator's rows, so that the change of layout stays within each warp. From the
-    # accumulator's layout (pairs of columns, rows 8 apart) each e4m3 value would take a store of its own. Not
-    # measured against that first form alone; in the step the first form's backward kernel took 0.72 ms, amax
-    # included (bench/results/README.md, 93fe8a7)
-    t_layout = gl.BlockedLayout(size_per_thread=[16, 1], threads_per_warp=[1, 32], warps_per_cta=[warps, 1],
-                                order=[0, 1])
     _matmul_kernel[(programs,)](
-        _descriptor(a_MK, (block_m, block_k)), b_desc, out_desc, t_desc, out_MN if scale is None else scale,
-        out8_desc, out8t_desc, out_MN if out8_inv_scale is None else out8_inv_scale, out_MN if amax is None else amax,
-        ACC_LAYOUT=acc_layout, T_LAYOUT=t_layout, KSTEPS=-(-K // block_k), STAGES=stages, EPILOGUE=epilogue,
+        _descriptor(a_MK, (block_m, block_k)), b_desc, out_desc, t_desc, placeholder if scale is None else scale,
+        out8_desc, out8t_desc, placeholder if out8_inv_scale is None else out8_inv_scale,
+        placeholder if amax is None else amax,
+        ACC_LAYOUT=acc_layout, KSTEPS=-(-K // block_k), STAGES=stages, EPILOGUE=epilogue,
         B_K_CONTIGUOUS=b_k_contiguous, SHARED_TILE=shared_tile, SCALED=scale is not None, WRITES_OUT=writes_out,
         WRITES_FP8=out8_MN is not None, WRITES_FP8_T=out8_NM is not None, RECORDS_AMAX=amax is not None,
         num_warps=warps)
-    return out_MN if writes_out else None
+    return out_MN
 
 
 @torch.library.custom_op("speedrun::relu2_matmul", mutates_args=())
@@ -417,7 +417,7 @@ def relu2_matmul_fp8_t(x8_MK: Tensor, w8_NK: Tensor, scale: Tensor,
     contracts over the tokens: model.layers.relu2_matmul_fp8_t."""
     (M, _), N = x8_MK.shape, w8_NK.size(0)
     h8_MN, h8_NM = x8_MK.new_empty((M, N)), x8_MK.new_empty((N, M))
-    return launch(x8_MK, w8_NK, None, RELU2, FP8_T_CONFIG, scale, h8_MN, h_inv_scale, h8_NM), h8_MN, h8_NM
+    return launch(x8_MK, w8_NK, None, RELU2, FP8_CONFIG, scale, h8_MN, h_inv_scale, h8_NM), h8_MN, h8_NM
 
 
 @relu2_matmul_fp8_t.register_fake
@@ -437,7 +437,7 @@ def relu2_matmul_grad_fp8(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor,
     amax.zero_()  # after the scale is read: the kernel's programs raise it from 0
     g8_MN = h_MN.new_empty(h_MN.shape, dtype=torch.float8_e4m3fn)
     g8_NM = h_MN.new_empty(h_MN.shape[::-1], dtype=torch.float8_e4m3fn)
-    launch(grad_y_MK, w_KN, h_MN, RELU2_GRAD, GRAD_FP8_CONFIG, out8_MN=g8_MN, out8_inv_scale=1 / scale,
+    launch(grad_y_MK, w_KN, h_MN, RELU2_GRAD, CONFIG, out8_MN=g8_MN, out8_inv_scale=1 / scale,
            out8_NM=g8_NM, amax=amax, writes_out=False)
     return g8_MN, g8_NM, scale
 

@@ -51,11 +51,11 @@ class TrainConfig:
     backout: bool = False  # the head sees the last block's output less 0.2 (learned) of the mid-stream; not in #28
     logit_softcap: float = 15.0  # cap * tanh(logits / cap) (Gemma 2); 15 since modded-nanogpt's 2025-01-04 record
     fp8_head: bool = True  # LM head matmuls in FP8 on GPUs that have it (compute capability 8.9+), bf16 elsewhere
-    # the blocks' forward products whose input has a scale known without a pass over it in FP8: the backward stays
-    # bf16 (model/fp8.py)
+    # the blocks' forward products whose input has a scale known without a pass over it in FP8 (model/fp8.py)
     fp8_forward: bool = True  # attention's qkv and the MLP's two products in FP8 on Hopper GPUs, bf16 elsewhere
-    # gradients at delayed scales (model/layers.py, ReLU2MLP); off: 0.8-6.9 ms/step less so far (model/fp8.py)
-    fp8_backward: bool = False  # with fp8_forward, the MLP's backward products after its first in FP8 too
+    # the gradient's scale is the previous micro-batch's amax (model/layers.py, ReLU2MLP); it reads the FP8
+    # forward's copies, so without --fp8_forward it does nothing
+    fp8_backward: bool = True  # where the MLP's forward runs in FP8, its backward products after the first too
     # optimization
     num_iterations: int = 1750  # optimizer steps, about the length of the mid-2025 records
     cooldown_frac: float = 0.45  # last fraction of steps over which the learning rate decays (record #28)
@@ -183,9 +183,6 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
     for name in ("val_loss_every", "checkpoint_every", "warmup_steps"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"--{name}={getattr(cfg, name)} must be 0 or more")
-    if cfg.fp8_backward and not cfg.fp8_forward:
-        raise ValueError("--fp8_backward reads the e4m3 copies that the FP8 forward writes: add --fp8_forward 1, or "
-                         "drop --fp8_backward")
     if cfg.log_every <= 0:
         raise ValueError(f"--log_every={cfg.log_every} must be positive")
     if cfg.hellaswag_file and not cfg.hellaswag:

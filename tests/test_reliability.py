@@ -178,8 +178,6 @@ EARLY = [
      ["a_file: not a checkpoint (a run writes them as ckpt_<step>.pt); pass one of those, or the run folder"]),
     ("16 --hellaswag_file without the evaluation", ["--hellaswag_file={root}/a_file"],
      ["a_file' is read only by the HellaSwag evaluation: add --hellaswag=1, or drop --hellaswag_file"]),
-    ("16 --fp8_backward without the FP8 forward", ["--fp8_backward=1", "--fp8_forward=0"],
-     ["--fp8_backward reads the e4m3 copies that the FP8 forward writes: add --fp8_forward 1, or drop --fp8_backward"]),
     ("20 --log_dir below a regular file", ["--log_dir={root}/a_file/logs"],
      ["a_file/logs is not writable (Not a directory)", "pass a folder you can write to"]),
     ("25 token id beyond the vocabulary", ["--train_files={bad}/vocab.bin"],
