@@ -40,8 +40,9 @@ def delayed_scale(amax: Tensor) -> Tensor:
     """The e4m3 scale that maps a 0-D fp32 absolute maximum to E4M3_MAX, 1 where it is 0. A gradient's copy written
     by the kernel that computes it takes the amax of the previous call at its site (a delayed scale, as in
     Transformer Engine's recipe): values above it saturate. A site without history (amax 0: its first call, or all
-    its gradients 0 so far) gets 1, at which a gradient's small values underflow: one micro-batch's products at that
-    site, in a new or a resumed run (at step 0 the MLP's gradient is 0 anyway, its W2 being zero-initialised)."""
+    its gradients 0 so far) gets 1, at which a gradient's small values underflow: in a new run, the first micro-batch
+    whose gradient is not 0 (the MLP's is 0 throughout step 0, its W2 being zero-initialised). A checkpoint keeps
+    the amax (model/layers.py's MLP), so a resumed run does not start without history."""
     return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
 
 

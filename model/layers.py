@@ -331,18 +331,20 @@ class MLP(nn.Module):
         self.fp8 = False  # the forward's products in FP8 (ReLU2MLP); set by runtime.dist.use_device_paths
         self.fp8_backward = False  # with fp8, the backward's products after the first too; likewise set
         # the absolute maximum of the last gradient of relu(pre)^2's input, for the next one's e4m3 scale (ReLU2MLP).
-        # Not saved, and forgotten when weights are loaded: a resumed run starts without history, as a new one does,
-        # and so does the timed run after train_gpt2's warm-up, which restores the initial weights
-        self.register_buffer("grad_amax", torch.zeros(()), persistent=False)
-        self.register_load_state_dict_post_hook(MLP._forget_history)
+        # Saved with the weights, so that a resumed run continues with the scales it had (with several processes,
+        # rank 0's: each rank's amax is of its own micro-batches); train_gpt2's warm-up restores the initial 0
+        self.register_buffer("grad_amax", torch.zeros(()))
+        self.register_load_state_dict_pre_hook(MLP._no_history_in_older_checkpoints)
 
     @staticmethod
-    def _forget_history(module: "MLP", incompatible_keys) -> None:
-        module.grad_amax.zero_()
+    def _no_history_in_older_checkpoints(module: "MLP", state: dict, prefix: str, *args) -> None:
+        """Checkpoints written before grad_amax was saved load with no history (0), as a new run starts."""
+        state.setdefault(prefix + "grad_amax", torch.zeros(()))
 
     def init_weights(self) -> None:
         _uniform_(self.fc_w, 0.5 * self.fc_w.size(0) ** -0.5)  # std 0.5 / sqrt(fan_in): modded-nanogpt
         nn.init.zeros_(self.proj_w)  # zero-init output projection (modded-nanogpt)
+        self.grad_amax.zero_()  # a new run has no history (built on the meta device, the buffer holds garbage)
 
     def forward(self, x_BTD: Tensor, residual_BTD: Tensor) -> Tensor:
         """residual + the MLP of x: the residual stream after the MLP."""

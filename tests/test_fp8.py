@@ -1,6 +1,8 @@
 """The blocks' FP8 products (model/fp8.py, ReLU2MLP's fp8 paths in model/layers.py): the e4m3 copies and their
 scales, the products against fp32 torch ops on the same FP8 values, and the backward against bf16 autograd's.
 The MLP's FP8 kernels run on a Hopper GPU only (`pytest -m gpu`); torch._scaled_mm runs on the CPU too."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -198,15 +200,22 @@ def fp8_parts(model):
     return [part.fp8 for b in model.blocks for part in (b.attn, b.mlp) if part is not None]
 
 
-def test_loading_weights_forgets_the_gradient_history():
-    """The warm-up's restore of the initial weights (and a resume) starts the FP8 backward's scales afresh, as a new
-    run starts them: an MLP's grad_amax is 0 again after load_state_dict."""
+def test_the_gradient_history_is_saved_with_the_weights():
+    """A resumed run continues with the FP8 backward's scales it had: an MLP's grad_amax is in its state and comes
+    back with it, and the warm-up's restore of the initial state brings back its 0. A state without it (a checkpoint
+    written before it was saved) loads with no history."""
     model = small_model()
-    state = model.state_dict()
-    assert not any("grad_amax" in key for key in state)  # not saved
-    for block in model.blocks:
-        block.mlp.grad_amax.fill_(3.0)
-    model.load_state_dict(state)
+    initial = copy.deepcopy(model.state_dict())
+    for i, block in enumerate(model.blocks):
+        block.mlp.grad_amax.fill_(3.0 + i)
+    saved = copy.deepcopy(model.state_dict())
+    assert [saved[f"blocks.{i}.mlp.grad_amax"].item() for i in range(2)] == [3.0, 4.0]
+    model.load_state_dict(initial)
+    assert [b.mlp.grad_amax.item() for b in model.blocks] == [0.0, 0.0]
+    model.load_state_dict(saved)
+    assert [b.mlp.grad_amax.item() for b in model.blocks] == [3.0, 4.0]
+    older = {k: v for k, v in initial.items() if not k.endswith("grad_amax")}
+    model.load_state_dict(older)  # strict: no missing key
     assert [b.mlp.grad_amax.item() for b in model.blocks] == [0.0, 0.0]
 
 
