@@ -29,10 +29,17 @@ WINDOW = 896  # attention window in tokens: the throughput benchmark's fixed one
 
 
 def repeats(model, inputs, targets, window, count: int) -> list[tuple[float, dict]]:
-    """(loss, {name: gradient}) of `count` forward+backward passes over the same micro-batch."""
+    """(loss, {name: gradient}) of `count` forward+backward passes over the same micro-batch, each from the same
+    buffers: a first pass gives the MLPs' FP8 backward the history its scales read (grad_amax), which each pass
+    records anew, so every repeat starts from the values the first pass left."""
+    model(inputs, targets, window).backward()
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
     results = []
     for _ in range(count):
         model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
         loss = model(inputs, targets, window)
         loss.backward()
         results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))

@@ -9,21 +9,20 @@ normal range, so the fixed scale of a normed input costs no precision against a 
 above its typical values, which then sit low in e4m3's range (of the order of E4M3_MAX / D where x and W1's columns
 are not aligned), with subnormals for the smallest, whose absolute error stays below the rounding of the typical ones.
 
-Why the forward by default: the step runs at the H200's power limit, where an FP8 product takes about 60% of a bf16
-one's time (bench/results/mlp_fp8_1xH200.json, at the limit: the MLP's first layer 0.243 against 0.405 ms, the qkv
-projection 0.179 against 0.289). The backward's products read gradients, which have no bound to scale them by, and
-their weight gradients read both operands transposed (tokens innermost, as Hopper's 8-bit MMA reads only K-major
+Why FP8: the step runs at the H200's power limit, where an FP8 product takes about 60% of a bf16 one's time
+(bench/results/mlp_fp8_1xH200.json, at the limit: the MLP's first layer 0.243 against 0.405 ms, the qkv projection
+0.179 against 0.289). The backward's products read gradients, which have no bound to scale them by, and their
+weight gradients read both operands transposed (tokens innermost, as Hopper's 8-bit MMA reads only K-major
 operands). Measured for the backward (bench/fp8_backward.py, bench/results/README.md at 41836c2): a block's seven
 cuBLAS products in FP8 took 1.02 ms against 1.86 in bf16 at the limit, but 2.24 with the casts of their operands as
 kernels of their own. So FP8 in the backward pays only where the kernels that make the operands write the copies.
---fp8_backward does that for the MLP's three products after its first (ReLU2MLP in model/layers.py): the Gluon
-kernels write h's and the pre-activation gradient's copies in both layouts, the gradient's at a delayed scale
-(delayed_scale). It is off by default, as its gain is small so far: the step took 5.9 and 6.9 ms less in two
-same-machine pairs, and 0.8 ms less in a third on another machine. The kernel that writes the gradient's copies runs
-0.30 ms slower than the bf16 one, most of it in recording the amax (model/mlp_kernels.py; bench/results/README.md,
-section "the MLP's backward in FP8"). The precision would do: the short speedrun reached 1.0143 with it (seed 0; main
-1.0159 on another machine), and 1.0135 and 1.0165 with all eight backward products on e4m3 values (emulated, seeds 0
-and 1; main 1.0159 and 1.0182).
+--fp8_backward (on by default) does that for the MLP's three products after its first (ReLU2MLP in
+model/layers.py): the Gluon kernels write h's and the pre-activation gradient's copies in both layouts, the
+gradient's at a delayed scale (delayed_scale). The step took 27.7 and 22.9 ms less with it, in same-machine pairs on
+two machines (bench/results/README.md, section 2f3283f). The attention's backward products stay bf16. The precision
+holds: the short speedrun reached 1.0158 at 124.61 s with it (seed 0) and 1.0174 and 1.0217 at 119.2-119.3 s (seeds 0
+and 1, a faster machine), against 1.0159 and 1.0182 for the bf16 backward (seed 0 at 153346e, seed 1 at dbd7665),
+all below the target 1.0253.
 """
 import torch
 from torch import Tensor

@@ -55,18 +55,18 @@ the bf16 kernel's 0.405 (bench/results/mlp_fp8_1xH200.json, before it wrote the 
 --fp8_forward (these two and attention's qkv) took 27.0 ms less than bf16 once the second product joined, 19.5-19.8
 before (bench/results/README.md, pairs on one machine each).
 
-With --fp8_backward two more forms write e4m3 copies for the backward's FP8 products (ReLU2MLP): the forward's
-first product also writes h's copy transposed (relu2_matmul_fp8_t), and the backward's first product writes the
-pre-activation's gradient only as e4m3 copies, row-major and transposed, at a delayed scale, recording its amax
-(relu2_matmul_grad_fp8). Both keep the ring's 5 stages (FP8_CONFIG, CONFIG): the transposed copy is stored from the
-accumulator's layout through a transposed view of its staging tile. Measured alone
-(bench/results/mlp_fp8_backward_kernels_1xH200_final.json, CUDA graphs, idle GPU): relu2_matmul_fp8_t 0.347 ms
-against relu2_matmul_fp8's 0.279, relu2_matmul_grad_fp8 0.464 against the bf16 relu2_matmul_grad's 0.402. Two
-forms measured slower (bench/results/README.md, section "the MLP's backward in FP8, by default"): an atomic max of
-the amax at every tile (the kernel writing the row-major copy and the amax: 0.578 ms, against 0.391 when each program
-keeps its rows' maxima across its tiles and adds one atomic at its end), and a transposed copy whose layout changes
-in registers before its store, which passes through shared memory and so cost a stage of the ring
-(relu2_matmul_grad_fp8 0.544 ms, the amax added once).
+With --fp8_backward (on by default) two more forms write e4m3 copies for the backward's FP8 products (ReLU2MLP):
+the forward's first product also writes h's copy transposed (relu2_matmul_fp8_t), and the backward's first product
+writes the pre-activation's gradient only as e4m3 copies, row-major and transposed, at a delayed scale, recording
+its amax (relu2_matmul_grad_fp8). Both keep the ring's 5 stages (FP8_CONFIG, CONFIG): the transposed copy is
+stored from the accumulator's layout through a transposed view of its staging tile. Measured alone
+(bench/results/mlp_fp8_backward_kernels_1xH200_2f3283f.json, CUDA graphs, idle GPU): relu2_matmul_fp8_t 0.350 ms
+against relu2_matmul_fp8's 0.281, relu2_matmul_grad_fp8 0.495 against the bf16 relu2_matmul_grad's 0.399. Two
+forms measured slower on one machine (bench/results/README.md, 2f3283f's section): an atomic max of the amax at every
+tile (the kernel writing the row-major copy and the amax took 0.578 ms, against 0.391 when each program keeps its
+rows' maxima across its tiles and adds one atomic at its end), and a transposed copy whose layout changes in
+registers before its store, which passes through shared memory and so cost a stage of the ring
+(relu2_matmul_grad_fp8 0.544 ms, against 0.464 this way).
 
 These are torch.library custom ops: torch.compile cannot trace Gluon kernels (its user-kernel support
 rewrites Triton source), so inductor calls them as opaque kernels. They run on compute capability 9 only (the

@@ -367,3 +367,29 @@ def test_the_cpu_path_repeats_a_micro_batch_bit_for_bit(tmp_path):
     report = json.loads(out.read_text())["repeats"]
     assert len(report) == 2
     assert all(r["loss_equal"] and r["gradients_differing"] == [] for r in report), report
+
+
+def test_determinism_repeats_start_from_the_same_gradient_history():
+    """The MLPs' FP8 backward records each gradient's amax for the next pass's scale: bench/determinism.py's repeats
+    start from the same recorded values, else every repeat after the first would differ by design. On the CPU the
+    FP8 path runs in torch ops when set by hand (use_device_paths keeps it for Hopper GPUs)."""
+    from bench.determinism import differences, repeats
+    from model.config import GPTConfig
+    from model.gpt import GPT
+    from runtime.dist import use_device_paths
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(num_layers=2, model_dim=64, num_heads=2, head_dim=32, num_value_embeds=1, vocab_size=128,
+                        bos_id=0))
+    model.init_weights()
+    use_device_paths(model, torch.device("cpu"))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.abs().max() == 0:  # W2's zero init would leave the gradient that the history records at 0
+                p.normal_(0, 0.02)
+    for block in model.blocks:
+        block.mlp.fp8 = block.mlp.fp8_backward = True
+    tokens = torch.randint(0, 128, (1, 257), generator=torch.Generator().manual_seed(1))
+    results = repeats(model, tokens[:, :-1].int(), tokens[:, 1:].long(), torch.tensor(128), 3)
+    assert [r["gradients_differing"] for r in differences(results)] == [[], []]
+    assert all(b.mlp.grad_amax.item() > 0 for b in model.blocks)

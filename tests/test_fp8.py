@@ -233,7 +233,8 @@ def test_fp8_stays_off_where_its_kernels_cannot_run():
 @gpu
 @hopper
 def test_fp8_is_on_for_every_block_on_hopper_where_the_widths_allow():
-    """On, off as asked (the backward only with the forward); and off for a width whose FP8 rows would not be 16-byte aligned (8 channels)."""
+    """On, off as asked (the backward only with the forward); and off for a width whose FP8 rows would not be
+    16-byte aligned (8 channels)."""
     model = small_model()
     use_device_paths(model, torch.device("cuda"), fp8_forward=True)
     assert fp8_parts(model) == [True] * 4 and fp8_backward_parts(model) == [False] * 2
