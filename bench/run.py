@@ -197,6 +197,7 @@ def main():
     tokens_per_step = cfg["batch_size"] * cfg["seq_len"]
     result = {
         "mode": args.mode, "command": " ".join(sys.argv), "git_commit": head["versions"].get("git_commit"),
+        "git_code_changed": head["versions"].get("git_code_changed"),
         "device": head["versions"].get("gpu", head["versions"]["device"]), "torch": head["versions"]["torch"],
         "world_size": args.nproc,
         "config": {"num_layers": mcfg["num_layers"], "model_dim": mcfg["model_dim"], "tokens_per_step": tokens_per_step,

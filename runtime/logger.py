@@ -19,19 +19,29 @@ REPO = Path(__file__).resolve().parent.parent
 SOURCE_DIRS = ("model", "optim", "data", "runtime")  # with train_gpt2.py: all code a training run executes
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+
+
 def versions(device: torch.device) -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "device": str(device)}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                timeout=10).stdout.strip()
+        commit = _git("rev-parse", "HEAD")
+        # the code a run executes, changed against that commit: a working tree with edits, or a copy of one that
+        # kept an older .git (as the GPU machine's copies do); the commit then names only where the code started
+        changed = _git("status", "--porcelain", "--", "train_gpt2.py", *SOURCE_DIRS) if len(commit) == 40 else ""
     except OSError:  # no git on the machine: the logged source below still says what ran
-        commit = ""
+        commit, changed = "", ""
     # A copy of the code (a container, an exported tree) says where it came from with SPEEDRUN_GIT_COMMIT; it wins
     # over git, because a copy placed inside another checkout would otherwise report that checkout's HEAD.
-    info["git_commit"] = os.environ.get("SPEEDRUN_GIT_COMMIT") or (commit if len(commit) == 40 else None)
+    if named := os.environ.get("SPEEDRUN_GIT_COMMIT"):
+        info["git_commit"] = named
+    else:
+        info["git_commit"] = commit if len(commit) == 40 else None
+        info["git_code_changed"] = bool(changed) if info["git_commit"] else None
     return info
 
 

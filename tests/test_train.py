@@ -236,6 +236,33 @@ def test_logged_commit_prefers_the_environment(monkeypatch):
     assert versions(torch.device("cpu"))["git_commit"] == (head if len(head) == 40 else None)
 
 
+def test_logged_commit_says_whether_the_code_differs_from_it(tmp_path, monkeypatch):
+    """The GPU machine's copies of the working tree kept an older .git: their logs named that commit for code that
+    was not it. git_code_changed says so; files outside the run's code (results, docs) do not count."""
+    import runtime.logger as logger
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "gpt.py").write_text("x = 1\n")
+    (tmp_path / "notes.md").write_text("a\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "c")
+    monkeypatch.setattr(logger, "REPO", tmp_path)
+    monkeypatch.delenv("SPEEDRUN_GIT_COMMIT", raising=False)
+    info = logger.versions(torch.device("cpu"))
+    assert len(info["git_commit"]) == 40 and info["git_code_changed"] is False
+    (tmp_path / "notes.md").write_text("b\n")
+    assert logger.versions(torch.device("cpu"))["git_code_changed"] is False
+    (tmp_path / "model" / "gpt.py").write_text("x = 2\n")
+    assert logger.versions(torch.device("cpu"))["git_code_changed"] is True
+    monkeypatch.setenv("SPEEDRUN_GIT_COMMIT", "abc1234")  # a named copy: its name is all there is
+    assert "git_code_changed" not in logger.versions(torch.device("cpu"))
+
+
 def test_static_launch_of_our_kernels_unless_the_environment_says_no(monkeypatch):
     import torch._inductor.config as inductor_config
 
