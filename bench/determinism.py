@@ -2,6 +2,7 @@
 
     python -m bench.determinism --out bench/results/determinism_1xH200.json
     python -m bench.determinism --device cpu          # the smoke preset's model, the CPU path
+    python -m bench.determinism --digests a.json; python -m bench.determinism --digests b.json --against a.json
 
 The model of a run as train_gpt2.py builds it (the record config on CUDA, compiled, FP8 head and forward; without
 its static launch of our Triton kernels, which changes how they launch, not what they compute), with the
@@ -9,16 +10,25 @@ zero-initialised weights drawn at random like the others, since a zero projectio
 micro-batch of random tokens (a document start every 937), the same inputs each repeat, gradients from None. Each
 repeat is compared with the first: the loss, then each parameter's gradient, element by element.
 
+Repeats in one process can agree where two processes do not: on the H200 at 2c80053 (the MLP's backward in FP8) every
+repeat matched, and two runs of train_gpt2.py still parted (bench/results/README.md, 2c80053's section). --digests
+writes a SHA-256 of each weight before the first repeat, of its loss and gradients, and of the buffers after the last;
+--against compares them with another process's file and names those that differ (weights first: two processes that
+start from different weights prove nothing about the kernels).
+
 Why it matters: when two runs of the same seed differ, a difference between two configurations smaller than theirs is
 not resolved by one run of each. On the H200 they parted by about 1e-3 in validation loss within 20 steps
 (bench/results/README.md, 677253b's section), and this found the kernel that made the first difference
 (model/embed_kernels.py's atomic adds, since put in a fixed order).
 """
 import argparse
+import hashlib
 import json
+import struct
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from model.gpt import GPT
 from runtime import dist
@@ -67,14 +77,37 @@ def differences(results: list[tuple[float, dict]]) -> list[dict]:
     return report
 
 
+def digests(weights: dict[str, Tensor], loss: float, grads: dict[str, Tensor],
+            buffers: dict[str, Tensor]) -> dict[str, str]:
+    """SHA-256 of each tensor's bytes, named "weight NAME" (before a pass), "loss", "gradient NAME" and "buffer NAME"
+    (after it), in that order."""
+    def sha(t: Tensor) -> str:
+        return hashlib.sha256(t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+    loss_sha = hashlib.sha256(struct.pack("<d", loss)).hexdigest()
+    return ({f"weight {n}": sha(t) for n, t in weights.items()} | {"loss": loss_sha}
+            | {f"gradient {n}": sha(t) for n, t in grads.items()} | {f"buffer {n}": sha(t) for n, t in buffers.items()})
+
+
+def digests_differing(mine: dict[str, str], theirs: dict[str, str]) -> list[str]:
+    """The names whose digests differ between two processes' files, in mine's order."""
+    if mine.keys() != theirs.keys():
+        raise RuntimeError(f"the two files name different tensors: {sorted(mine.keys() ^ theirs.keys())}; compare "
+                           f"runs of one model config")
+    return [name for name in mine if mine[name] != theirs[name]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--out", type=Path, help="write the report as JSON here too")
+    parser.add_argument("--digests", type=Path, help="write the first repeat's digests here (JSON), for --against")
+    parser.add_argument("--against", type=Path, help="another process's --digests file to compare this one's with")
     args = parser.parse_args()
     if args.repeats < 2:
         parser.error(f"--repeats={args.repeats}: at least 2, to compare one repeat with another")
+    if args.against and not args.against.is_file():
+        parser.error(f"--against {args.against}: no such file; write it first with --digests {args.against}")
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         parser.error("no CUDA device that torch can use; pass --device cpu for the CPU path")
@@ -98,7 +131,11 @@ def main() -> None:
     inputs, targets = tokens[:, :-1].int(), tokens[:, 1:].long()
     window = torch.tensor(WINDOW, dtype=torch.int64, device=device)
 
-    report = differences(repeats(model, inputs, targets, window, args.repeats))
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    results = repeats(model, inputs, targets, window, args.repeats)
+    # the buffers as the last repeat left them: the first's too where the repeats agree (each starts from the same)
+    mine = digests(weights, *results[0], dict(model.named_buffers()))
+    report = differences(results)
     parameters = len(list(model.parameters()))
     for i, r in enumerate(report, start=1):
         print(f"repeat {i} against repeat 0: loss {'equal' if r['loss_equal'] else 'DIFFERS'} ({r['loss']!r}), "
@@ -106,10 +143,18 @@ def main() -> None:
         for d in r["gradients_differing"]:
             print(f"    {d['parameter']}: {d['elements']} of {d['of']} elements, largest difference "
                   f"{d['max_abs_diff']:.3e}, largest gradient {d['max_abs_grad']:.3e}")
+    against = None
+    if args.against:
+        differing = digests_differing(mine, json.loads(args.against.read_text()))
+        against = {"file": str(args.against), "of": len(mine), "differing": differing}
+        print(f"against {args.against}: {len(differing)} of {len(mine)} digests differ" + "".join(
+            f"\n    {name}" for name in differing[:20]) + ("\n    ..." if len(differing) > 20 else ""))
+    if args.digests:
+        args.digests.write_text(json.dumps(mine, indent=1))
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu",
                                         "torch": torch.__version__, "seq_len": cfg.seq_len,
-                                        "window_tokens": WINDOW, "repeats": report}, indent=2))
+                                        "window_tokens": WINDOW, "repeats": report, "against": against}, indent=2))
 
 
 if __name__ == "__main__":

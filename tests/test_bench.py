@@ -359,14 +359,38 @@ def test_determinism_names_the_gradients_that_differ_between_repeats():
 
 
 def test_the_cpu_path_repeats_a_micro_batch_bit_for_bit(tmp_path):
-    """The smoke model's forward and backward on the CPU, three times: the same loss and the same bits in every
-    gradient (the golden-loss test relies on it)."""
-    out = tmp_path / "determinism.json"
-    subprocess.run([sys.executable, "-m", "bench.determinism", "--device", "cpu", "--repeats", "3", "--out", str(out)],
-                   cwd=REPO, check=True, capture_output=True, text=True)
-    report = json.loads(out.read_text())["repeats"]
-    assert len(report) == 2
-    assert all(r["loss_equal"] and r["gradients_differing"] == [] for r in report), report
+    """The smoke model's forward and backward on the CPU, three times in one process and once more in another: the
+    same loss and the same bits in every gradient (the golden-loss test relies on it), and the same digests of the
+    weights, loss, gradients and buffers in both processes."""
+    out, a, b = tmp_path / "determinism.json", tmp_path / "a.json", tmp_path / "b.json"
+    run = [sys.executable, "-m", "bench.determinism", "--device", "cpu"]
+    subprocess.run(run + ["--repeats", "3", "--digests", str(a)], cwd=REPO, check=True, capture_output=True)
+    subprocess.run(run + ["--digests", str(b), "--against", str(a), "--out", str(out)], cwd=REPO, check=True,
+                   capture_output=True)
+    first = json.loads(a.read_text())
+    assert list(first)[0].startswith("weight ") and "loss" in first and "buffer blocks.0.mlp.grad_amax" in first
+    assert json.loads(b.read_text()) == first
+    report = json.loads(out.read_text())
+    assert report["against"] == {"file": str(a), "of": len(first), "differing": []}
+    a.write_text(json.dumps({name: "0" * 64 for name in first}))  # another process whose every digest differs
+    result = subprocess.run(run + ["--against", str(a)], cwd=REPO, check=True, capture_output=True, text=True)
+    assert f"{len(first)} of {len(first)} digests differ\n    {list(first)[0]}\n" in result.stdout
+
+
+def test_determinism_digests_name_what_differs_between_processes():
+    """bench/determinism.py's digests: one changed bit in one weight, the loss or one buffer is named; files of two
+    model configs are refused."""
+    from bench.determinism import digests, digests_differing
+    weights, grads, buffers = {"w": torch.ones(3)}, {"w": torch.zeros(3)}, {"amax": torch.tensor(0.5)}
+    mine = digests(weights, 2.5, grads, buffers)
+    assert list(mine) == ["weight w", "loss", "gradient w", "buffer amax"]
+    assert digests_differing(mine, digests(weights, 2.5, grads, {"amax": torch.tensor(0.5)})) == []
+    moved = torch.ones(3)
+    moved.view(torch.int32)[1] += 1  # the next float up
+    assert digests_differing(mine, digests({"w": moved}, 2.5000001, grads, {"amax": torch.tensor(-0.5)})) == [
+        "weight w", "loss", "buffer amax"]
+    with pytest.raises(RuntimeError, match=r"\['gradient v'\]"):
+        digests_differing(mine, digests(weights, 2.5, {"v": torch.zeros(3)}, buffers) | {"gradient w": "x"})
 
 
 def test_determinism_repeats_start_from_the_same_gradient_history():
