@@ -199,6 +199,7 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
             loss = model(inputs, targets, window)
             (loss / derived.grad_accum).backward()
             loss_sum += loss.detach()
+        dist.agree_on_scales(model, rt)  # the ranks' FP8 gradient scales, one history for the next step
         optimizer.step(lr_multiplier(step, cfg.num_iterations, cfg.cooldown_frac, cfg.final_lr_frac),
                        muon_momentum(step, derived.momentum_warmup_steps, cfg.momentum_start, cfg.momentum_end))
         optimizer.zero_grad()

@@ -331,8 +331,8 @@ class MLP(nn.Module):
         self.fp8 = False  # the forward's products in FP8 (ReLU2MLP); set by runtime.dist.use_device_paths
         self.fp8_backward = False  # with fp8, the backward's products after the first too; likewise set
         # the absolute maximum of the last gradient of relu(pre)^2's input, for the next one's e4m3 scale (ReLU2MLP).
-        # Saved with the weights, so that a resumed run continues with the scales it had (with several processes,
-        # rank 0's: each rank's amax is of its own micro-batches); train_gpt2's warm-up restores the initial 0
+        # Saved with the weights, so that a resumed run continues with the scales it had (with several processes the
+        # ranks agree on it each step: runtime/dist.py's agree_on_scales); train_gpt2's warm-up restores the initial 0
         self.register_buffer("grad_amax", torch.zeros(()))
         self.register_load_state_dict_pre_hook(MLP._no_history_in_older_checkpoints)
 

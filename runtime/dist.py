@@ -198,6 +198,20 @@ def all_ranks_sum(value: float, rt: Runtime) -> float:
     return t.item()
 
 
+def agree_on_scales(model, rt: Runtime) -> None:
+    """Every rank's MLPs take the largest of the ranks' last gradient amaxes, the history their FP8 backward scales
+    by (model/layers.py's ReLU2MLP). Each rank records its own micro-batches', so without this the ranks' next scales
+    would differ, and a checkpoint, which saves rank 0's, would resume the others at scales they never had. Called
+    once a step, before the update: one all_reduce of a few floats."""
+    amaxes = [b.mlp.grad_amax for b in model.blocks if b.mlp is not None and b.mlp.fp8_backward]
+    if rt.world_size == 1 or not amaxes:
+        return
+    stacked = torch.stack(amaxes)
+    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+    for amax, agreed in zip(amaxes, stacked):
+        amax.copy_(agreed)
+
+
 def broadcast_object(obj, rt: Runtime):
     """Rank 0's `obj` on every rank."""
     if rt.world_size == 1:

@@ -5,6 +5,8 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from helpers import output_and_grads as grads
@@ -13,7 +15,7 @@ from model.fp8 import (E4M3_MAX, NormedFP8Linear, delayed_scale, normed_operands
                        to_e4m3)
 from model.config import GPTConfig
 from model.gpt import GPT
-from runtime.dist import use_device_paths
+from runtime.dist import Runtime, agree_on_scales, use_device_paths
 
 gpu = pytest.mark.gpu
 hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
@@ -217,6 +219,37 @@ def test_the_gradient_history_is_saved_with_the_weights():
     older = {k: v for k, v in initial.items() if not k.endswith("grad_amax")}
     model.load_state_dict(older)  # strict: no missing key
     assert [b.mlp.grad_amax.item() for b in model.blocks] == [0.0, 0.0]
+
+
+def histories(rank: int) -> list[float]:
+    """Each rank's grad_amax per block after agree_on_scales: block 0's MLP runs its backward in FP8, block 1's not."""
+    model = small_model()
+    model.blocks[0].mlp.fp8 = model.blocks[0].mlp.fp8_backward = True
+    for block, amax in zip(model.blocks, [[2.0, 7.0], [5.0, 1.0]][rank]):
+        block.mlp.grad_amax.fill_(amax)
+    agree_on_scales(model, Runtime(rank, torch_dist.get_world_size() if torch_dist.is_initialized() else 1,
+                                   torch.device("cpu")))
+    return [b.mlp.grad_amax.item() for b in model.blocks]
+
+
+def scales_rank_main(rank: int, store: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    torch_dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        torch.save(histories(rank), f"{out_dir}/rank{rank}.pt")
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_gradient_history(tmp_path):
+    """With two gloo ranks, every MLP whose backward runs in FP8 takes the larger of the two ranks' amaxes, so the
+    next step's scales and a checkpoint's (rank 0's) history are every rank's; the others keep their own. One process
+    changes nothing."""
+    mp.start_processes(scales_rank_main, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True,
+                       start_method="fork")  # as tests/test_optim_dist.py: a spawned child re-imports torch
+    assert torch.load(tmp_path / "rank0.pt") == [5.0, 7.0]
+    assert torch.load(tmp_path / "rank1.pt") == [5.0, 1.0]
+    assert histories(0) == [2.0, 7.0]
 
 
 def fp8_backward_parts(model):
