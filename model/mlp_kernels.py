@@ -259,9 +259,11 @@ def _matmul_kernel(a_desc, b_desc, out_desc, t_desc, scale_ptr, out8_desc, out8t
             tma.async_copy_shared_to_global(out8_desc, [off_m, off_n], out8_smem)
         if WRITES_FP8_T:
             tma.async_copy_shared_to_global(out8t_desc, [off_n, off_m], out8t_smem)
+    # before the amax's cross-warp reduction, whose shared-memory scratch the compiler may place over a staging tile
+    # that the last stores still read (it sat in a ring slot, compiled for sm_90 with Triton 3.6)
+    tma.store_wait(pendings=0)
     if RECORDS_AMAX:
         gl.atomic_max(amax_ptr, gl.max(row_amax, axis=0))
-    tma.store_wait(pendings=0)
 
 
 def supports(a_MK: Tensor, b: Tensor) -> bool:
