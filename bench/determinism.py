@@ -11,7 +11,9 @@ micro-batch of random tokens (a document start every 937), the same inputs each 
 repeat is compared with the first: the loss, then each parameter's gradient, element by element.
 
 Repeats in one process can agree where two processes do not: on the H200 at 2c80053 (the MLP's backward in FP8) every
-repeat matched, and two runs of train_gpt2.py still parted (bench/results/README.md, 2c80053's section). --digests
+repeat matched, and two runs of train_gpt2.py still parted (bench/results/README.md, 2c80053's section): inductor
+had timed candidates for two choices at each process's first run and picked differently (d00ab85's section), which
+model/gpt.py's REPEATABLE_COMPILE now fixes. --digests
 writes a SHA-256 of each weight before the first repeat, of its loss and gradients, and of the buffers after the last;
 --against compares them with another process's file and names those that differ (weights first: two processes that
 start from different weights prove nothing about the kernels).

@@ -19,6 +19,16 @@ REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("flex", "sdpa")
 FLEX_MIN_HEAD_DIM = 16  # FlexAttention's GPU kernels: "embedding dimension ... must be at least 16"
 BACKOUT_INIT = 0.2  # the backout takes out 0.2 of the mid-stream at init (nanochat's backout_lambda)
+# Inductor options under which two processes compiling the same regions cold make the same kernels. By default two of
+# its choices are made by timing candidates on the GPU, so they can differ between processes, and both change results:
+# whether to pad a matmul's odd sizes (the attention gate's weight gradient, (6, 49152) @ (49152, 12), was padded to
+# (8, 49152) @ (49152, 16) in one process and not in the other), and a reduction's launch configuration, whose block
+# over the reduced dim orders its sum (the MLP's norm fused with x's transposed e4m3 copy took blocks of 512 in one
+# process and of 32 in the other, and the losses differed). On the H200, with both options two cold processes' losses,
+# gradients and buffers matched; with the reductions' alone the losses matched and the gradients did not (two pairs).
+# A process reusing the first one's warm cache still differed in the gradients, for reasons not found. The step's time
+# moved within one same-machine pair's spread: 576.0 ms against 574.0 (bench/results/README.md, d00ab85's section).
+REPEATABLE_COMPILE = {"shape_padding": False, "test_configs.force_filter_reduction_configs": True}
 
 
 class GPT(nn.Module):
@@ -30,10 +40,10 @@ class GPT(nn.Module):
     Set from outside: `attention_backend` ("flex": FlexAttention, forward-only on CPU; "sdpa": explicit mask,
     small T, for CPU training) and `compute_dtype` (activation dtype, bf16 by default; fp32 for exact checks).
 
-    Compilation is regional and applied from outside (`compile_regions()` does exactly this):
+    Compilation is regional and applied from outside (`compile_regions()` does exactly this, each compile with
+    options=REPEATABLE_COMPILE too, and the masks' with persistent reductions off as well):
         model.embed_inputs = torch.compile(model.embed_inputs, dynamic=False, fullgraph=True)
-        model.attention_inputs = torch.compile(model.attention_inputs, dynamic=False, fullgraph=True,
-                                               options={"triton.persistent_reductions": False})
+        model.attention_inputs = torch.compile(model.attention_inputs, dynamic=False, fullgraph=True)
         for block in model.blocks: block.compile(dynamic=False, fullgraph=True)
         model.head.compile(dynamic=False, fullgraph=True)
         model.add_gradients = torch.compile(model.add_gradients, dynamic=False, fullgraph=True)
@@ -94,6 +104,9 @@ class GPT(nn.Module):
         """Compile the embedding lookups, the masks, x0's norm, each block and the head separately (regional
         compilation); kwargs go to torch.compile. Compiled, the four lookups and their casts are one kernel."""
         kwargs = {"dynamic": False, "fullgraph": True} | kwargs
+        takes_options = kwargs.get("backend", "inductor") == "inductor" and "mode" not in kwargs  # not with a mode
+        if takes_options:
+            kwargs = kwargs | {"options": REPEATABLE_COMPILE | kwargs.get("options", {})}
         # All blocks share Block.forward, and dynamo's recompile limit (8) counts its graphs: one per presence
         # pattern of the optional inputs, for training and again under no_grad (an evaluation). A layer is at most
         # one pattern, so two graphs per layer always suffice, whatever inputs a block may go without.
@@ -105,8 +118,8 @@ class GPT(nn.Module):
         # time, bench/results/README.md, 6639e50). With persistent reductions, which sort rows of up to 512 in one
         # Triton program, this graph took 110 s to compile cold there; without them 11 s, its sorts aten.sort calls.
         mask_kwargs = kwargs
-        if kwargs.get("backend", "inductor") == "inductor" and "mode" not in kwargs:  # options exclude a mode
-            mask_kwargs = kwargs | {"options": kwargs.get("options", {}) | {"triton.persistent_reductions": False}}
+        if takes_options:
+            mask_kwargs = kwargs | {"options": kwargs["options"] | {"triton.persistent_reductions": False}}
         self.attention_inputs = torch.compile(self.attention_inputs, **mask_kwargs)
         for block in self.blocks:
             block.compile(**kwargs)

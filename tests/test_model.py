@@ -478,6 +478,38 @@ def test_compiled_attention_inputs_equal_eager():
     assert all(torch.equal(a, b) for a, b in zip(tables, eager_tables))
 
 
+@pytest.mark.parametrize("kwargs, options", [
+    ({}, gpt_module.REPEATABLE_COMPILE),
+    ({"options": {"shape_padding": True, "max_autotune": False}},  # given options are kept, and win
+     gpt_module.REPEATABLE_COMPILE | {"shape_padding": True, "max_autotune": False}),
+    ({"backend": "aot_eager"}, None),  # options are inductor's
+    ({"mode": "max-autotune-no-cudagraphs"}, None),  # torch.compile takes a mode or options, not both
+])
+def test_compile_regions_asks_inductor_for_repeatable_kernels(monkeypatch, kwargs, options):
+    """compile_regions gives every region compiled by inductor the options under which two processes make the same
+    kernels (gpt.REPEATABLE_COMPILE), the masks' graph persistent reductions off as well. The compiles are real:
+    torch.compile rejects an option this torch does not know when it is called, before anything compiles."""
+    calls = []
+    real_compile = torch.compile
+
+    def spy(fn, **given):
+        calls.append(given)
+        return real_compile(fn, **given)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    model = tiny_model(dataclasses.replace(TINY, smear=True))
+    with torch._dynamo.config.patch(recompile_limit=8):  # compile_regions raises it; undone after
+        model.compile_regions(**kwargs)
+    assert len(calls) == 6 + TINY.num_layers  # embeddings, masks, each block, head, x0's gradient sum, norm, smear
+    if options is None:
+        assert all("options" not in c for c in calls)
+        return
+    masks = [c for c in calls if c["options"].get("triton.persistent_reductions") is False]
+    assert len(masks) == 1 and masks[0]["options"] == options | {"triton.persistent_reductions": False}
+    assert all(c["options"] == options for c in calls if c is not masks[0])
+    assert all(c["dynamic"] is False and c["fullgraph"] is True for c in calls)
+
+
 @pytest.mark.parametrize("parts, graphs", [
     ({"no_attention_layers": (3,)}, 6),  # the record's patterns: value embedding or not, layer 7 without attention
     ({"no_attention_layers": (3,), "no_mlp_layers": (0, 5), "value_residual": True}, 10),  # five: past the limit 8
