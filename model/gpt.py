@@ -24,8 +24,8 @@ BACKOUT_INIT = 0.2  # the backout takes out 0.2 of the mid-stream at init (nanoc
 # whether to pad a matmul's odd sizes (the attention gate's weight gradient, (6, 49152) @ (49152, 12), was padded to
 # (8, 49152) @ (49152, 16) in one process and not in the other), and a reduction's launch configuration, whose block
 # over the reduced dim orders its sum (the MLP's norm fused with x's transposed e4m3 copy took blocks of 512 in one
-# process and of 32 in the other, and the losses differed). On the H200, with both options two cold processes' losses,
-# gradients and buffers matched; with the reductions' alone the losses matched and the gradients did not (two pairs).
+# process and of 32 in the other, and the losses differed). On the H200, with both set (by environment variables) two
+# cold processes' losses, gradients and buffers matched; with the reductions' alone the gradients did not (two pairs).
 # A process reusing the first one's warm cache still differed in the gradients, for reasons not found. The step's time
 # moved within one same-machine pair's spread: 576.0 ms against 574.0 (bench/results/README.md, d00ab85's section).
 REPEATABLE_COMPILE = {"shape_padding": False, "test_configs.force_filter_reduction_configs": True}
