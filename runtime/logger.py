@@ -28,6 +28,11 @@ def versions(device: torch.device) -> dict:
             "device": str(device)}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+    # A copy of the code (a container, an exported tree) says where it came from with SPEEDRUN_GIT_COMMIT; it wins
+    # over git, because a copy placed inside another checkout would otherwise report that checkout's HEAD.
+    if named := os.environ.get("SPEEDRUN_GIT_COMMIT"):
+        info["git_commit"] = named
+        return info
     try:
         commit = _git("rev-parse", "HEAD")
         # the code a run executes, changed against that commit: a working tree with edits, or a copy of one that
@@ -35,13 +40,8 @@ def versions(device: torch.device) -> dict:
         changed = _git("status", "--porcelain", "--", "train_gpt2.py", *SOURCE_DIRS) if len(commit) == 40 else ""
     except OSError:  # no git on the machine: the logged source below still says what ran
         commit, changed = "", ""
-    # A copy of the code (a container, an exported tree) says where it came from with SPEEDRUN_GIT_COMMIT; it wins
-    # over git, because a copy placed inside another checkout would otherwise report that checkout's HEAD.
-    if named := os.environ.get("SPEEDRUN_GIT_COMMIT"):
-        info["git_commit"] = named
-    else:
-        info["git_commit"] = commit if len(commit) == 40 else None
-        info["git_code_changed"] = bool(changed) if info["git_commit"] else None
+    info["git_commit"] = commit if len(commit) == 40 else None
+    info["git_code_changed"] = bool(changed) if info["git_commit"] else None
     return info
 
 
