@@ -13,7 +13,8 @@ repeat is compared with the first: the loss, then each parameter's gradient, ele
 Repeats in one process can agree where two processes do not: on the H200 at 2c80053 (the MLP's backward in FP8) every
 repeat matched, and two runs of train_gpt2.py still parted (bench/results/README.md, 2c80053's section): inductor
 had timed candidates for two choices at each process's first run and picked differently (d00ab85's section), which
-model/gpt.py's REPEATABLE_COMPILE now fixes. --digests
+model/gpt.py's REPEATABLE_COMPILE now fixes. Whole runs still part with the FP8 backward, in variants that each
+process picks and keeps, and this micro-batch's digests show them (8d93369's section). --digests
 writes a SHA-256 of each weight before the first repeat, of its loss and gradients, and of the buffers after the last;
 --against compares them with another process's file and names those that differ (weights first: two processes that
 start from different weights prove nothing about the kernels).

@@ -14,8 +14,9 @@ on into the next programs' rows is summed in pieces: each of those programs stor
 second kernel adds them, in program order, into the table row after the run's first program has added its own. So
 each table row takes one add per kernel, and the table's gradient repeats bit for bit; so did whole runs with the
 MLP's backward in bf16 (two runs of one seed gave the same losses at every step,
-bench/results/repeat_short60_1xH200_deterministic_{a,b}.json; with main's FP8 backward two processes parted, from
-inductor's timed choices, which model/gpt.py's REPEATABLE_COMPILE now fixes: bench/results/README.md, d00ab85). When
+bench/results/repeat_short60_1xH200_deterministic_{a,b}.json; with main's FP8 backward two processes part, partly
+from inductor's timed choices, which model/gpt.py's REPEATABLE_COMPILE now fixes: bench/results/README.md, d00ab85
+and 8d93369). When
 every program added its piece of a run atomically, the order of those adds varied, and so did the gradient: in six
 repeats of one micro-batch, one element of one value embedding's gradient
 (bench/results/determinism_1xH200_2fb2527.txt), and two runs of one seed parted by about 1e-3 in validation loss
