@@ -29,7 +29,8 @@ BACKOUT_INIT = 0.2  # the backout takes out 0.2 of the mid-stream at init (nanoc
 # The step's time moved within one same-machine pair's spread: 576.0 ms against 574.0. Whole runs still part with the
 # MLP's FP8 backward, from another source, not found; with --fp8_backward 0 they repeat (bench/results/README.md,
 # sections d00ab85 and 8d93369).
-REPEATABLE_COMPILE = {"shape_padding": False, "test_configs.force_filter_reduction_configs": True}
+REPEATABLE_COMPILE = {"shape_padding": False, "test_configs.force_filter_reduction_configs": True,
+                      "dynamic_scale_rblock": False}
 
 
 class GPT(nn.Module):
