@@ -10,14 +10,14 @@ zero-initialised weights drawn at random like the others, since a zero projectio
 micro-batch of random tokens (a document start every 937), the same inputs each repeat, gradients from None. Each
 repeat is compared with the first: the loss, then each parameter's gradient, element by element.
 
-Repeats in one process can agree where two processes do not: on the H200 at 2c80053 (the MLP's backward in FP8) every
-repeat matched, and two runs of train_gpt2.py still parted (bench/results/README.md, 2c80053's section): inductor
-had timed candidates for two choices at each process's first run and picked differently (d00ab85's section), which
-model/gpt.py's REPEATABLE_COMPILE now fixes. Whole runs still part with the FP8 backward, in variants that each
-process picks and keeps, and this micro-batch's digests show them (8d93369's section). --digests
-writes a SHA-256 of each weight before the first repeat, of its loss and gradients, and of the buffers after the last;
---against compares them with another process's file and names those that differ (weights first: two processes that
-start from different weights prove nothing about the kernels).
+Repeats in one process can agree where two processes do not: on the H200 at 2c80053 (the MLP's backward in FP8)
+every repeat matched, and two runs of train_gpt2.py still parted (bench/results/README.md, 2c80053's section):
+inductor had timed candidates at each process's first run and picked differently (sections d00ab85 and de9c191),
+which model/gpt.py's REPEATABLE_COMPILE now turns off; before its last option, processes fell into variants that
+each kept, and this micro-batch's digests showed them (sections 8d93369 and de9c191). --digests writes a SHA-256 of
+each weight before the first repeat, of its loss and gradients, and of the buffers after the last; --against
+compares them with another process's file and names those that differ (weights first: two processes that start from
+different weights prove nothing about the kernels).
 
 Why it matters: when two runs of the same seed differ, a difference between two configurations smaller than theirs is
 not resolved by one run of each. On the H200 they parted by about 1e-3 in validation loss within 20 steps

@@ -9,16 +9,15 @@ zero-filled once per optimizer step.
 
 The rows arrive in the order of the sorted token ids (layers.sort_ids, once per micro-batch for all tables; a stable
 sort, so each run of one id is in the same order every time). One program walks ROWS consecutive sorted rows, sums
-each run of one token in registers and adds the sum with a relaxed atomic add when the token changes. A run that goes
-on into the next programs' rows is summed in pieces: each of those programs stores its piece in a scratch row, and a
-second kernel adds them, in program order, into the table row after the run's first program has added its own. So
-each table row takes one add per kernel, and the table's gradient repeats bit for bit; so did whole runs with the
+each run of one token in registers and adds the sum with a relaxed atomic add when the token changes. A run that
+goes on into the next programs' rows is summed in pieces: each of those programs stores its piece in a scratch row,
+and a second kernel adds them, in program order, into the table row after the run's first program has added its own.
+So each table row takes one add per kernel, and the table's gradient repeats bit for bit; so did whole runs with the
 MLP's backward in bf16 (two runs of one seed gave the same losses at every step,
-bench/results/repeat_short60_1xH200_deterministic_{a,b}.json; with main's FP8 backward two processes part, partly
-from inductor's timed choices, which model/gpt.py's REPEATABLE_COMPILE now fixes: bench/results/README.md, d00ab85
-and 8d93369). When
-every program added its piece of a run atomically, the order of those adds varied, and so did the gradient: in six
-repeats of one micro-batch, one element of one value embedding's gradient
+bench/results/repeat_short60_1xH200_deterministic_{a,b}.json; with main's FP8 backward two processes parted, from
+inductor's timed choices, until model/gpt.py's REPEATABLE_COMPILE turned them off: bench/results/README.md, d00ab85
+and de9c191). When every program added its piece of a run atomically, the order of those adds varied, and so did the
+gradient: in six repeats of one micro-batch, one element of one value embedding's gradient
 (bench/results/determinism_1xH200_2fb2527.txt), and two runs of one seed parted by about 1e-3 in validation loss
 within 20 steps (bench/results/README.md, 677253b).
 

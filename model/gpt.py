@@ -19,16 +19,17 @@ REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("flex", "sdpa")
 FLEX_MIN_HEAD_DIM = 16  # FlexAttention's GPU kernels: "embedding dimension ... must be at least 16"
 BACKOUT_INIT = 0.2  # the backout takes out 0.2 of the mid-stream at init (nanochat's backout_lambda)
-# Inductor options under which two processes compiling the same regions cold make the same kernels. By default two of
-# its choices are made by timing candidates on the GPU, so they can differ between processes, and both change results:
-# whether to pad a matmul's odd sizes (the attention gate's weight gradient, (6, 49152) @ (49152, 12), was padded to
-# (8, 49152) @ (49152, 16) in one process and not in the other), and a reduction's launch configuration, whose block
-# over the reduced dim orders its sum (the MLP's norm fused with x's transposed e4m3 copy took blocks of 512 in one
-# process and of 32 in the other, and the losses differed). On the H200, with both set (by environment variables) two
-# cold processes' losses, gradients and buffers matched; with the reductions' alone the gradients did not (two pairs).
-# The step's time moved within one same-machine pair's spread: 576.0 ms against 574.0. Whole runs still part with the
-# MLP's FP8 backward, from another source, not found; with --fp8_backward 0 they repeat (bench/results/README.md,
-# sections d00ab85 and 8d93369).
+# Inductor options under which two processes compiling the same regions make the same kernels. By default three of
+# its choices are made by timing candidates on the GPU at a process's first run, so they can differ between processes,
+# and all change results: whether to pad a matmul's odd sizes (the attention gate's weight gradient, (6, 49152) @
+# (49152, 12), was padded to (8, 49152) @ (49152, 16) in one process and not in the other); a reduction's launch
+# configuration, whose block over the reduced dim orders its sum (the MLP's norm fused with x's transposed e4m3 copy
+# took blocks of 512 in one process and of 32 in the other); and, for a reduction whose threads use many registers, a
+# copy with half the block that dynamic_scale_rblock adds as a second candidate. On the H200, with the first two off,
+# processes still fell into variants that each kept (4 processes: 2 variants); with the third off too, six processes
+# (one cold, five on its cache) gave the same loss, gradients and buffers, two 12-step runs started at once the same
+# losses at every step, and the step took 569.9 ms against 570.2 without it (bench/results/README.md, sections
+# de9c191 and d00ab85).
 REPEATABLE_COMPILE = {"shape_padding": False, "test_configs.force_filter_reduction_configs": True,
                       "dynamic_scale_rblock": False}
 
