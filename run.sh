@@ -34,12 +34,13 @@ gpus=$(count_gpus)
 if [ "$gpus" -eq 0 ]; then
     # On the CPU the head's (tokens x 50,304) fp32 tensors are larger than glibc's largest mmap threshold (32 MiB),
     # so each is mapped and unmapped every step and the kernel zeroes its pages at each first touch again: 3.5M page
-    # faults and 12 s of system time in an 8-step smoke run on a 2-core AMD EPYC. Huge pages (glibc >= 2.35; older
-    # ones skip a name they do not know) and every block from the heap (mmap_max=0), which keeps up to 1 GiB free at
-    # its top for the next step (trim_threshold), took the smoke run from 69 s to 28-31 s there (steps 0.47-0.51 s
-    # instead of 1.06-1.17), with the same losses, at a peak RSS of 1.7 GB instead of 0.9: freed blocks stay in the
-    # process. (The 32 MiB threshold alone, run.sh's first choice: 35-37 s.) The user's own tunables follow and win.
-    ours=glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824
+    # faults and 12 s of system time in an 8-step smoke run on a 2-core AMD EPYC. Every block from the heap
+    # (mmap_max=0), which keeps up to 1 GiB free at its top for the next step (trim_threshold), took the smoke run from
+    # 60.6-61.6 s to 28.3-28.6 s there, with the same losses; freed blocks stay in the process. Huge pages
+    # (glibc.malloc.hugetlb=1), which run.sh also asked for until 2026-12-03, added nothing there (27.9-30.2 s) and
+    # cost much on a 2-core Intel Xeon VM: smoke run 22.5-29.8 s against 15.1-15.7 s without, 15-19 s of system time
+    # against 1-2 (bench/results/README.md, "The CPU's allocator"). The user's own tunables follow and win.
+    ours=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824
     export GLIBC_TUNABLES="$ours${GLIBC_TUNABLES:+:$GLIBC_TUNABLES}"
     if names_preset "$@"; then
         echo "run.sh: no GPU found, running the --preset you named on the CPU" >&2

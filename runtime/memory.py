@@ -3,7 +3,7 @@
 On the CPU the head's (tokens x 50,304) fp32 tensors are larger than glibc's largest mmap threshold, so each one is
 mapped and unmapped every step, and the kernel zeroes its pages again at each first touch. run.sh keeps them in the
 heap with GLIBC_TUNABLES (run.sh says what each setting does and what it costs). Tunables must be in the environment
-when the process starts; mallopt sets two of the three from inside it. Huge pages have no mallopt form."""
+when the process starts; mallopt sets the same two from inside it."""
 import ctypes
 import os
 
@@ -16,9 +16,9 @@ TRIM_THRESHOLD = 1 << 30  # run.sh's glibc.malloc.trim_threshold: up to 1 GiB st
 def keep_freed_memory() -> bool:
     """Every block from the heap (no mmap), freed memory kept for the next step, as run.sh's tunables ask. On a 2-core
     AMD EPYC `python train_gpt2.py --preset smoke` took 60.6-61.6 s without them, 28.3-28.6 s with these two, and
-    27.9-30.2 s with run.sh's three (bench/results/README.md), the same losses each time. Returns whether it set them:
-    not where GLIBC_TUNABLES already names a malloc setting (run.sh's, or the user's own, which must win), nor where
-    the C library has no mallopt."""
+    27.9-30.2 s with huge pages as well (bench/results/README.md), the same losses each time. Returns whether it set
+    them: not where GLIBC_TUNABLES already names a malloc setting (run.sh's, or the user's own, which must win), nor
+    where the C library has no mallopt."""
     if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
