@@ -36,10 +36,11 @@ if [ "$gpus" -eq 0 ]; then
     # so each is mapped and unmapped every step and the kernel zeroes its pages at each first touch again: 3.5M page
     # faults and 12 s of system time in an 8-step smoke run on a 2-core AMD EPYC. Every block from the heap
     # (mmap_max=0), which keeps up to 1 GiB free at its top for the next step (trim_threshold), took the smoke run from
-    # 60.6-61.6 s to 28.3-28.6 s there, with the same losses; freed blocks stay in the process. Huge pages
-    # (glibc.malloc.hugetlb=1), which run.sh also asked for until 2026-12-03, added nothing there (27.9-30.2 s) and
-    # cost much on a 2-core Intel Xeon VM: smoke run 22.5-29.8 s against 15.1-15.7 s without, 15-19 s of system time
-    # against 1-2 (bench/results/README.md, "The CPU's allocator"). The user's own tunables follow and win.
+    # 60.6-61.6 s to 28.3-28.6 s there (the two set through mallopt, runtime/memory.py), with the same losses; freed
+    # blocks stay in the process. Huge pages (glibc.malloc.hugetlb=1), which run.sh also asked for until 2026-12-03,
+    # added nothing there (27.9-30.2 s) and cost much on a 2-core Intel Xeon VM: smoke run 22.5-29.8 s against
+    # 15.1-15.7 s without, 14.8-19.4 s of system time against 0.7-2.0 (bench/results/README.md, "The CPU's
+    # allocator"). The user's own tunables follow and win.
     ours=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824
     export GLIBC_TUNABLES="$ours${GLIBC_TUNABLES:+:$GLIBC_TUNABLES}"
     if names_preset "$@"; then
