@@ -169,8 +169,8 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
         return MuonAdam(model.param_groups(), lr={"hidden": cfg.lr_hidden, "embed": cfg.lr_embed,
                                                   "value_embed": cfg.lr_embed, "head": cfg.lr_head,
                                                   "scalar": cfg.lr_scalar},
-                        rank=rt.rank, world_size=rt.world_size, compile=cfg.compile and cuda,
-                        muon_method=cfg.muon_method, normuon_beta2=cfg.normuon_beta2)
+                        rank=rt.rank, world_size=rt.world_size, muon_method=cfg.muon_method,
+                        normuon_beta2=cfg.normuon_beta2)
 
     optimizer = new_optimizer()
     log.header(cfg, mcfg, device)

@@ -1,13 +1,14 @@
-"""The optimizer step of the record model alone (GPU only): compiled (what train_gpt2.py runs) against eager, for
-the cold start and for the step. One variant per process, with fresh compile caches, so each first step compiles
-from nothing.
+"""The optimizer step of the record model alone (GPU only): eager (what train_gpt2.py runs) against the same step
+under torch.compile, for the cold start and for the step. One variant per process, with fresh compile caches, so a
+compiled first step compiles from nothing.
 
     python -m bench.optim_compile --out bench/results/optim_compile_1xH200.json
 
-In a strictly cold start of the whole run (py-spy, bench/results/README.md), the first MuonAdam.step took 13.3 s of
-the main thread, 3.4 s of them in inductor benchmarking the configurations of its reductions. Variants:
-compiled (MuonAdam(compile=True): 4 Muon shapes x 3 graphs and 4 Adam graphs) and eager (compile=False, the same
-functions as torch ops). Each variant also prints a profile of three of its steps (stderr).
+Until the eager optimizer, train_gpt2.py compiled the update functions (16 graphs), and a strictly cold start spent
+10.7 s of its main thread compiling them (bench/results/README.md, the eager optimizer's section). Variants: eager
+(MuonAdam with the record's settings, NorMuon on) and compiled (its whole `step` in torch.compile(dynamic=False), the
+learning rate and momentum fixed, as a yardstick of what a compiler could still take from the step). Each variant
+also prints a profile of three of its steps (stderr).
 """
 import argparse
 import json
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-VARIANTS = ("compiled", "eager")
+VARIANTS = ("eager", "compiled")
 REPEATS = 20
 
 
@@ -30,10 +31,15 @@ def one_variant(variant: str) -> dict:
     from optim.optimizer import MuonAdam
     from runtime.config import TrainConfig, model_config
     torch.manual_seed(0)
-    model = GPT(model_config(TrainConfig())).cuda()
+    cfg = TrainConfig()
+    model = GPT(model_config(cfg)).cuda()
     model.init_weights()
-    opt = MuonAdam(model.param_groups(), lr={"hidden": 0.05, "embed": 0.6, "value_embed": 0.6, "head": 0.008,
-                                             "scalar": 0.04}, compile=variant == "compiled")
+    opt = MuonAdam(model.param_groups(), lr={"hidden": cfg.lr_hidden, "embed": cfg.lr_embed,
+                                             "value_embed": cfg.lr_embed, "head": cfg.lr_head,
+                                             "scalar": cfg.lr_scalar},
+                   muon_method=cfg.muon_method, normuon_beta2=cfg.normuon_beta2)
+    if variant == "compiled":
+        opt.step = torch.compile(opt.step, dynamic=False)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     torch.cuda.synchronize()

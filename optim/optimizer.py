@@ -1,13 +1,10 @@
 """MuonAdam: the one optimizer object. It owns the parameter state and all gradient communication."""
-import functools
-
 import torch
 import torch.distributed as dist
+from torch.optim.adam import adam
 
-from optim.adam import adam_update
 from optim.iterations import check_method
-from optim.muon import (apply_updates, nesterov_momentum, neuron_shape, newton_schulz, normalize_neurons,
-                        shape_scale)
+from optim.muon import apply_updates, nesterov_momentum, neuron_scales, neuron_shape, newton_schulz, shape_scale
 
 
 class _MuonBucket:
@@ -18,7 +15,7 @@ class _MuonBucket:
         self.params = params
         self.momentum = torch.zeros((len(params), *params[0].shape), dtype=params[0].dtype,
                                     device=params[0].device)
-        # NorMuon's running mean square per neuron (optim.muon.normalize_neurons), when it is on
+        # NorMuon's running mean square per neuron (optim.muon.neuron_scales), when it is on
         self.second_moment = torch.zeros(neuron_shape((len(params), *params[0].shape)), device=params[0].device) \
             if normuon else None
         self.scale = shape_scale(params[0].shape)
@@ -52,15 +49,18 @@ class MuonAdam:
 
     State is replicated, not sharded: each rank holds the full Muon momentum and Adam moments. That costs
     memory for the small 124M model but makes `state_dict` independent of the world size, so a checkpoint
-    resumes on any number of GPUs. With `compile=True` the update functions are wrapped in
-    torch.compile(dynamic=False) when the parameters live on CUDA; on CPU they always run eagerly.
+    resumes on any number of GPUs.
+
+    Nothing is compiled. Adam is torch's fused kernel (one launch per group), and Muon's functions are written so
+    that eager mode launches about as few kernels as inductor's graphs did: on the H200 the record model's step took
+    6.96-7.25 ms eagerly against 7.17-7.30 compiled, and its first step 0.26 s against 33-35 s of compiling, 10.7 s
+    of a strictly cold start's main thread (bench/results/README.md, the eager optimizer's section).
     """
 
     def __init__(self, param_groups: list[dict], *, lr: dict[str, float],
                  adam_betas: tuple[float, float] = (0.8, 0.95), adam_eps: float = 1e-10,
-                 rank: int = 0, world_size: int = 1, compile: bool = False, muon_method: str = "jordan",
-                 normuon_beta2: float = 0.0):
-        """normuon_beta2 > 0 turns NorMuon's per-neuron normalisation on (optim.muon.normalize_neurons), with this
+                 rank: int = 0, world_size: int = 1, muon_method: str = "jordan", normuon_beta2: float = 0.0):
+        """normuon_beta2 > 0 turns NorMuon's per-neuron normalisation on (optim.muon.neuron_scales), with this
         averaging factor; 0 is plain Muon."""
         check_method(muon_method)
         assert 0.0 <= normuon_beta2 < 1.0, f"normuon_beta2 {normuon_beta2} outside [0, 1)"
@@ -88,17 +88,12 @@ class MuonAdam:
         self.eps = adam_eps
         self.rank, self.world_size = rank, world_size
         self.step_count = 0
-
-        params = [p for g in param_groups for p in g["params"]]
-        device = params[0].device if params else torch.device("cpu")
-        # 0-D tensors refilled each step: a compiled update sees new values, never new constants.
-        self._lr = {n: torch.zeros((), device=device) for n in names}
-        self._momentum = torch.zeros((), device=device)
-        self._step = torch.zeros((), device=device)
-        self._normuon_beta2 = torch.full((), normuon_beta2, device=device) if normuon_beta2 > 0 else None
+        self.normuon_beta2 = normuon_beta2
 
         self._buckets: list[_MuonBucket] = []
-        self._adam: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        # per Adam group: first and second moments, and the step count per parameter as torch's fused Adam keeps it
+        # (a float32 0-D tensor on the parameter's device, incremented by torch before each update)
+        self._adam: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
         for group in param_groups:
             if group["kind"] == "muon":
                 by_shape: dict[torch.Size, list[torch.Tensor]] = {}
@@ -108,22 +103,9 @@ class MuonAdam:
                                   for ps in by_shape.values()]
             else:
                 ps = group["params"]
-                self._adam[group["name"]] = ([torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps])
-
-        # One graph per Muon bucket shape and per Adam group (4 + 4 for the 124M model), within dynamo's
-        # default limit of 8 recompiles per function. Inductor's deterministic mode picks each reduction's launch
-        # configuration by its heuristics instead of timing several on the GPU at first launch (3.4 s of a strictly
-        # cold start on the H200 went to timing the optimizer's kernels, bench/results/cold_profile_1xH200_317d98e.txt).
-        # The pointwise kernels are still timed: untimed too, the optimizer compiled 7.8 s faster but its step took
-        # 8.43 ms instead of 6.63 (bench/results/README.md, 940105b).
-        on_cuda = device.type == "cuda"
-        options = {"deterministic": True}
-        wrap = (lambda f: torch.compile(f, dynamic=False, options=options)) if compile and on_cuda else (lambda f: f)
-        self._nesterov = wrap(nesterov_momentum)
-        self._orthogonalize = wrap(functools.partial(newton_schulz, method=muon_method))
-        self._normalize = wrap(normalize_neurons)
-        self._apply = wrap(apply_updates)
-        self._adam_update = wrap(adam_update)
+                self._adam[group["name"]] = ([torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps],
+                                             [torch.zeros((), device=p.device) for p in ps])
+        self.muon_method = muon_method
 
     @torch.no_grad()
     def step(self, lr_multiplier: float, muon_momentum: float) -> None:
@@ -131,10 +113,7 @@ class MuonAdam:
         afterwards `.grad` holds the average over ranks)."""
         assert 0.0 <= muon_momentum < 1.0, f"muon_momentum {muon_momentum} outside [0, 1)"
         self.step_count += 1
-        self._step.fill_(self.step_count)
-        self._momentum.fill_(muon_momentum)
-        for name, t in self._lr.items():
-            t.fill_(self.base_lr[name] * lr_multiplier)
+        lr = {name: base * lr_multiplier for name, base in self.base_lr.items()}
 
         distributed = self.world_size > 1
         pending = {}
@@ -148,10 +127,9 @@ class MuonAdam:
         gathers = []
         for bucket in self._buckets:
             grads = torch.stack(self._averaged_grads(bucket.params, pending))
-            direction = self._nesterov(grads, bucket.momentum, self._momentum)
-            lr = self._lr[bucket.group] * bucket.scale
+            direction = nesterov_momentum(grads, bucket.momentum, muon_momentum)
             if not distributed:
-                self._apply(bucket.params, self._neurons_evened(bucket, self._orthogonalize(direction)), lr)
+                self._apply(bucket, self._orthogonalize(direction), lr)
                 continue
             mine = direction[self.rank * bucket.share:(self.rank + 1) * bucket.share]
             if len(mine) < bucket.share:
@@ -159,23 +137,27 @@ class MuonAdam:
             update = self._orthogonalize(mine).contiguous()  # NCCL needs contiguous; tall outputs are views
             gathered = update.new_empty((bucket.share * self.world_size, *update.shape[1:]))
             work = dist.all_gather(list(gathered.chunk(self.world_size)), update, async_op=True)
-            gathers.append((bucket, update, gathered, lr, work))  # `update` stays alive until the wait
+            gathers.append((bucket, update, gathered, work))  # `update` stays alive until the wait
 
         for group in self._adam_groups():
-            exp_avgs, exp_avg_sqs = self._adam[group["name"]]
-            self._adam_update(group["params"], self._averaged_grads(group["params"], pending), exp_avgs,
-                              exp_avg_sqs, lr=self._lr[group["name"]], step=self._step, beta1=self.beta1,
-                              beta2=self.beta2, eps=self.eps)
+            params = group["params"]
+            exp_avgs, exp_avg_sqs, steps = self._adam[group["name"]]
+            adam(params, self._averaged_grads(params, pending), exp_avgs, exp_avg_sqs, [], steps, fused=True,
+                 amsgrad=False, beta1=self.beta1, beta2=self.beta2, lr=lr[group["name"]], weight_decay=0.0,
+                 eps=self.eps, maximize=False)
 
-        for bucket, _, gathered, lr, work in gathers:
+        for bucket, _, gathered, work in gathers:
             work.wait()
-            self._apply(bucket.params, self._neurons_evened(bucket, gathered[:len(bucket.params)]), lr)
+            self._apply(bucket, gathered[:len(bucket.params)], lr)
 
-    def _neurons_evened(self, bucket: _MuonBucket, updates: torch.Tensor) -> torch.Tensor:
-        """The bucket's orthogonalised updates, one per parameter, normalised per neuron where NorMuon is on."""
-        if bucket.second_moment is None:
-            return updates
-        return self._normalize(updates, bucket.second_moment, self._normuon_beta2)
+    def _orthogonalize(self, stack: torch.Tensor) -> torch.Tensor:
+        return newton_schulz(stack, self.muon_method)
+
+    def _apply(self, bucket: _MuonBucket, updates: torch.Tensor, lr: dict[str, float]) -> None:
+        """The bucket's orthogonalised updates, one per parameter, evened out per neuron where NorMuon is on."""
+        scales = None if bucket.second_moment is None else \
+            neuron_scales(updates, bucket.second_moment, self.normuon_beta2)
+        apply_updates(bucket.params, updates, lr[bucket.group] * bucket.scale, scales)
 
     def zero_grad(self) -> None:
         """Drop every gradient (torch.optim's default): the next backward writes new ones, no zero-fill first."""
@@ -193,7 +175,7 @@ class MuonAdam:
             if group["kind"] == "muon":
                 groups[group["name"]] = self._muon_state(group["params"])
             else:
-                exp_avgs, exp_avg_sqs = self._adam[group["name"]]
+                exp_avgs, exp_avg_sqs, _ = self._adam[group["name"]]
                 groups[group["name"]] = {"exp_avg": exp_avgs, "exp_avg_sq": exp_avg_sqs}
         return {"step": self.step_count, "groups": groups}
 
@@ -209,7 +191,7 @@ class MuonAdam:
             if group["kind"] == "muon":
                 targets = self._muon_state(params)
             else:
-                exp_avgs, exp_avg_sqs = self._adam[name]
+                exp_avgs, exp_avg_sqs, _ = self._adam[name]
                 targets = {"exp_avg": exp_avgs, "exp_avg_sq": exp_avg_sqs}
             if set(saved[name]) != set(targets):
                 raise ValueError(f"optimizer state of group {name!r} holds {sorted(saved[name])}, expected "
@@ -222,6 +204,9 @@ class MuonAdam:
                 for dst, src in zip(dsts, srcs):
                     dst.copy_(src)
         self.step_count = int(state["step"])
+        for _, _, steps in self._adam.values():
+            for t in steps:
+                t.fill_(self.step_count)
 
     def _averaged_grads(self, params: list[torch.Tensor], pending: dict) -> list[torch.Tensor]:
         """The parameters' gradients, averaged over ranks once their all_reduce (if any) has finished."""
@@ -243,6 +228,6 @@ class MuonAdam:
         where = {id(q): (bucket, i) for bucket in self._buckets for i, q in enumerate(bucket.params)}
         slots = [where[id(p)] for p in params]
         state = {"momentum": [bucket.momentum[i] for bucket, i in slots]}
-        if self._normuon_beta2 is not None:
+        if self.normuon_beta2 > 0:
             state["second_moment"] = [bucket.second_moment[i] for bucket, i in slots]
         return state

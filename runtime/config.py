@@ -62,7 +62,7 @@ class TrainConfig:
     final_lr_frac: float = 0.1  # learning rate at the last step, as a fraction of the peak (record #28)
     lr_hidden: float = 0.05  # Muon learning rate for the hidden matrices (record #28)
     muon_method: str = "jordan"  # Muon's orthogonalisation: jordan (Muon's quintic) or polar_express (optim/muon.py)
-    # NorMuon evens Muon's update out per neuron by a running mean square (optim/muon.py, normalize_neurons)
+    # NorMuon evens Muon's update out per neuron by a running mean square (optim/muon.py, neuron_scales)
     normuon_beta2: float = 0.95  # NorMuon's averaging factor (Li et al. 2025: 0.95); 0 = plain Muon (record #28)
     lr_embed: float = 0.6  # Adam learning rate for token and value embeddings (record #28: 0.008 x lr_mul 75)
     lr_head: float = 0.008  # Adam learning rate for the LM head (record #28)
@@ -81,7 +81,7 @@ class TrainConfig:
     resume: str = ""  # checkpoint file, or run folder, to continue from
     log_dir: str = "logs"  # each run writes log.txt, metrics.jsonl and checkpoints into a new folder here
     seed: int = 0  # seeds the initial weights
-    compile: bool = True  # torch.compile the model's regions (GPT.compile_regions) and the optimizer's updates (1/0)
+    compile: bool = True  # torch.compile the model's regions (GPT.compile_regions), 1/0; the optimizer runs eagerly
     # The first step compiles every training graph. With 3 warm-up steps, the timed steps of strictly cold runs on
     # the H200 compiled nothing (each as fast as after the records' 10), and the warm-up took 2.6 and 8.7 s less
     # (strictly cold) and 3.1 s less (warm caches) than with 10, in three same-machine pairs
@@ -199,7 +199,7 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
         raise ValueError(f"--normuon_beta2={cfg.normuon_beta2} must be from 0 (plain Muon) to below 1; NorMuon's "
                          f"paper uses --normuon_beta2=0.95")
     for name in ("lr_hidden", "lr_embed", "lr_head", "lr_scalar"):
-        # the optimizer holds learning rates in float32 tensors: a larger value cannot even be stored
+        # the optimizer's kernels compute in float32: a larger value cannot even be stored
         if not 0 <= getattr(cfg, name) <= FLOAT32_MAX:
             raise ValueError(f"--{name}={getattr(cfg, name)} must be a number from 0 to 3.4e38 (float32); the "
                              f"record uses --{name}={getattr(TrainConfig, name)}")
