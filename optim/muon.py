@@ -21,8 +21,8 @@ def newton_schulz(g: torch.Tensor, method: str = "jordan") -> torch.Tensor:
     Dividing by the Frobenius norm puts every singular value in [0, 1], where the iteration converges.
     Tall inputs are transposed so the Gram matrix X X^T is the smaller of the two. `method` names the
     coefficients in ITERATIONS. Each iteration is three batched GEMMs whose scale and add ride in the GEMM's
-    epilogue (baddbmm), so eager mode launches no elementwise kernel between them: that is what lets the optimizer
-    run uncompiled at the compiled step's speed (bench/results/README.md, the eager optimizer's section).
+    epilogue (baddbmm), so eager mode launches no elementwise kernel between them (bench/results/README.md, section
+    fa4c217: the optimizer runs uncompiled).
     """
     assert g.ndim >= 2, f"newton_schulz needs (..., rows, cols), got shape {tuple(g.shape)}"
     coefficients, margin = ITERATIONS[method]

@@ -52,9 +52,10 @@ class MuonAdam:
     resumes on any number of GPUs.
 
     Nothing is compiled. Adam is torch's fused kernel (one launch per group), and Muon's functions are written so
-    that eager mode launches about as few kernels as inductor's graphs did: on the H200 the record model's step took
-    6.96-7.25 ms eagerly against 7.17-7.30 compiled, and its first step 0.26 s against 33-35 s of compiling, 10.7 s
-    of a strictly cold start's main thread (bench/results/README.md, the eager optimizer's section).
+    that eager mode launches few kernels. Compiling the update functions had cost 10.7 s of a strictly cold start's
+    main thread; without it the H200's strictly cold start took 45.0 s against 70.7 s, at the same step (568.0 against
+    567.5 ms, one machine; bench/results/README.md, section fa4c217). Alone, the optimizer's step takes 7.97 ms
+    eagerly and 6.67 ms compiled as one graph, whose compile took 30.8 s.
     """
 
     def __init__(self, param_groups: list[dict], *, lr: dict[str, float],

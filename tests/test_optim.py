@@ -145,7 +145,7 @@ def test_neuron_scales_against_one_neuron_at_a_time(shape):
 def test_muon_step_matches_the_formula_by_hand(method, normuon_beta2, shape, scale, device, monkeypatch):
     # cuBLAS may reduce bf16 products in reduced precision (torch's default allows it): on the H200 that put
     # b*gram + c*gram@gram 1-2 bf16 ulps from the fp32 sum rounded once, where with it off the two were equal, and
-    # Newton-Schulz's outputs up to 0.047 from the reference's (.bench diagnostics, session of 2026-12-03). That is
+    # Newton-Schulz's outputs up to 0.047 from the reference's (bench/results/README.md, section fa4c217). That is
     # cuBLAS's rounding, not the formula under test, so it is off here.
     if device == "cuda":
         monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
