@@ -4,7 +4,7 @@ compiled first step compiles from nothing.
 
     python -m bench.optim_compile --out bench/results/optim_compile_1xH200.json
 
-Until the eager optimizer, train_gpt2.py compiled the update functions (16 graphs), and a strictly cold start spent
+Until fa4c217, train_gpt2.py compiled the update functions (16 graphs), and a strictly cold start spent
 10.7 s of its main thread compiling them (bench/results/README.md, section fa4c217). Variants: eager
 (MuonAdam with the record's settings, NorMuon on) and compiled (its whole `step` in torch.compile(dynamic=False), the
 learning rate and momentum fixed, as a yardstick of what a compiler could still take from the step). Each variant

@@ -89,6 +89,7 @@ class MuonAdam:
         self.eps = adam_eps
         self.rank, self.world_size = rank, world_size
         self.step_count = 0
+        self.muon_method = muon_method
         self.normuon_beta2 = normuon_beta2
 
         self._buckets: list[_MuonBucket] = []
@@ -106,7 +107,6 @@ class MuonAdam:
                 ps = group["params"]
                 self._adam[group["name"]] = ([torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps],
                                              [torch.zeros((), device=p.device) for p in ps])
-        self.muon_method = muon_method
 
     @torch.no_grad()
     def step(self, lr_multiplier: float, muon_momentum: float) -> None:
@@ -152,6 +152,7 @@ class MuonAdam:
             self._apply(bucket, gathered[:len(bucket.params)], lr)
 
     def _orthogonalize(self, stack: torch.Tensor) -> torch.Tensor:
+        """Newton-Schulz on a stack of matrices; a method of its own so that a test can count what each call takes."""
         return newton_schulz(stack, self.muon_method)
 
     def _apply(self, bucket: _MuonBucket, updates: torch.Tensor, lr: dict[str, float]) -> None:

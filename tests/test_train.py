@@ -50,7 +50,7 @@ def test_smoke_run_learns_within_a_minute(tmp_path):
 # 4.5e-6 without, where a change of the math moves them much further (NorMuon against plain Muon: 2.1e-4 at step 4).
 # NorMuon's beta2 barely shows in 5 steps: 0.9 ran 4.8e-6 from 0.95 at step 5 (measured on an AMD EPYC).
 # Re-pinned for the eager optimizer (Newton-Schulz's scale and add in the GEMMs' epilogue, torch's fused Adam), which
-# moved the losses by rounding only: up to 2.4e-5 at step 5 with NorMuon. Both tables were measured on a 2-core Intel
+# moved the losses by rounding only: up to 2.7e-5 at step 5 with NorMuon. Both tables were measured on a 2-core Intel
 # Xeon whose torch uses AVX512 (torch.backends.cpu.get_cpu_capability()), the second with ATEN_CPU_CAPABILITY=avx2,
 # which stands in for the AMD EPYCs' AVX2: for the code before, that setting came within 5.5e-6 of the table measured
 # on an AMD EPYC (2026-12-02), and the first within 2.7e-6 of the table that CI's stops passed with (4c7dfc2's).
