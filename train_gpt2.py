@@ -29,7 +29,8 @@ from optim.schedule import attention_window, lr_multiplier, muon_momentum
 from runtime import checkpoint, dist
 from runtime.bytecode import bytecode_note
 from runtime.cli import parse_config
-from runtime.config import BLOCK_SIZE, PRESETS, RESUME_MAY_CHANGE, TrainConfig, derive, oom_advice
+from runtime.config import (BLOCK_SIZE, PRESETS, RESUME_MAY_CHANGE, TrainConfig, derive, group_learning_rates,
+                            oom_advice)
 from runtime.errors import UserError, exit_on_user_error, tell_torchrun
 from runtime.logger import RunLog
 from runtime.memory import keep_freed_memory
@@ -166,11 +167,8 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
     initial_weights = copy.deepcopy(model.state_dict())
 
     def new_optimizer():
-        return MuonAdam(model.param_groups(), lr={"hidden": cfg.lr_hidden, "embed": cfg.lr_embed,
-                                                  "value_embed": cfg.lr_embed, "head": cfg.lr_head,
-                                                  "scalar": cfg.lr_scalar},
-                        rank=rt.rank, world_size=rt.world_size, muon_method=cfg.muon_method,
-                        normuon_beta2=cfg.normuon_beta2)
+        return MuonAdam(model.param_groups(), lr=group_learning_rates(cfg), rank=rt.rank, world_size=rt.world_size,
+                        muon_method=cfg.muon_method, normuon_beta2=cfg.normuon_beta2)
 
     optimizer = new_optimizer()
     log.header(cfg, mcfg, device)

@@ -29,15 +29,13 @@ REPEATS = 20
 def one_variant(variant: str) -> dict:
     from model.gpt import GPT
     from optim.optimizer import MuonAdam
-    from runtime.config import TrainConfig, model_config
+    from runtime.config import TrainConfig, group_learning_rates, model_config
     torch.manual_seed(0)
     cfg = TrainConfig()
     model = GPT(model_config(cfg)).cuda()
     model.init_weights()
-    opt = MuonAdam(model.param_groups(), lr={"hidden": cfg.lr_hidden, "embed": cfg.lr_embed,
-                                             "value_embed": cfg.lr_embed, "head": cfg.lr_head,
-                                             "scalar": cfg.lr_scalar},
-                   muon_method=cfg.muon_method, normuon_beta2=cfg.normuon_beta2)
+    opt = MuonAdam(model.param_groups(), lr=group_learning_rates(cfg), muon_method=cfg.muon_method,
+                   normuon_beta2=cfg.normuon_beta2)
     if variant == "compiled":
         opt.step = torch.compile(opt.step, dynamic=False)
     for p in model.parameters():

@@ -257,6 +257,13 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
                      no_attention_layers=no_attention_layers(cfg))
 
 
+def group_learning_rates(cfg: TrainConfig) -> dict[str, float]:
+    """The base learning rate of each of the model's parameter groups (GPT.param_groups), as MuonAdam takes them:
+    the token and value embeddings share --lr_embed."""
+    return {"hidden": cfg.lr_hidden, "embed": cfg.lr_embed, "value_embed": cfg.lr_embed, "head": cfg.lr_head,
+            "scalar": cfg.lr_scalar}
+
+
 def oom_advice(cfg: TrainConfig) -> str:
     """Flags that need less memory per GPU and still pass derive()."""
     if cfg.device_batch_size > 1:
