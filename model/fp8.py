@@ -19,10 +19,14 @@ kernels of their own. So FP8 in the backward pays only where the kernels that ma
 --fp8_backward (on by default) does that for the MLP's three products after its first (ReLU2MLP in
 model/layers.py): the Gluon kernels write h's and the pre-activation gradient's copies in both layouts, the
 gradient's at a delayed scale (delayed_scale). The step took 27.7 and 22.9 ms less with it, in same-machine pairs on
-two machines (bench/results/README.md, section 2f3283f). The attention's backward products stay bf16. The precision
-holds: the short speedrun reached 1.0158 at 124.61 s with it (seed 0) and 1.0174 and 1.0217 at 119.2-119.3 s (seeds 0
-and 1, a faster machine), against 1.0159 and 1.0182 for the bf16 backward (seed 0 at 153346e, seed 1 at dbd7665),
-all below the target 1.0253.
+two machines (bench/results/README.md, section 2f3283f). The precision holds: the short speedrun reached 1.0158 at
+124.61 s with it (seed 0) and 1.0174 and 1.0217 at 119.2-119.3 s (seeds 0 and 1, a faster machine), against 1.0159
+and 1.0182 for the bf16 backward (seed 0 at 153346e, seed 1 at dbd7665), all below the target 1.0253.
+
+The attention's backward products stay bf16. qkv's two in FP8, their gradient's copies written by QKVPrep's backward
+kernel, made the step 7.5-8.2 ms slower (likely its transposed stores: that kernel took 0.13-0.17 ms more a call)
+and wrote a wrong transposed copy on the GPU (bench/results/README.md, session of 2026-12-04; the code is
+bench/results/fp8_qkv_backward_experiment.patch).
 """
 import torch
 from torch import Tensor
