@@ -23,10 +23,12 @@ two machines (bench/results/README.md, section 2f3283f). The precision holds: th
 124.61 s with it (seed 0) and 1.0174 and 1.0217 at 119.2-119.3 s (seeds 0 and 1, a faster machine), against 1.0159
 and 1.0182 for the bf16 backward (seed 0 at 153346e, seed 1 at dbd7665), all below the target 1.0253.
 
-The attention's backward products stay bf16. qkv's two in FP8, their gradient's copies written by QKVPrep's backward
-kernel, made the step 7.5-8.2 ms slower (likely its transposed stores: that kernel took 0.13-0.17 ms more a call)
-and wrote a wrong transposed copy on the GPU (bench/results/README.md, session of 2026-12-04; the code is
-bench/results/fp8_qkv_backward_experiment.patch).
+--fp8_backward also runs the attention's q, k, v projection's input gradient in FP8 (FP8QKV in model/layers.py):
+QKVPrep's backward kernel writes the projection's output gradient in bf16 and also as an e4m3 copy at a delayed
+scale. Its weight gradient and the output projection's stay bf16: qkv's weight gradient in FP8 too, from a transposed
+copy written by the same kernel, made the step 7.5-8.2 ms slower (likely its transposed stores: that kernel took
+0.13-0.17 ms more a call) and wrote a wrong transposed copy on the GPU (bench/results/README.md, session of
+2026-12-04; bench/results/fp8_qkv_backward_experiment.patch).
 """
 import torch
 from torch import Tensor
@@ -83,20 +85,25 @@ def fp8_mm(a8_MK: Tensor, b8_KN: Tensor, a_scale: Tensor, b_scale: Tensor, out_d
     return torch._scaled_mm(a8_MK, b8_KN, scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype, use_fast_accum=True)
 
 
-class NormedFP8Linear(torch.autograd.Function):
-    """x @ w^T for normed rows x (..., K) and a weight w (N, K) in x's dtype: the product in FP8 (torch._scaled_mm,
-    e4m3 operands, fp32 accumulation, output in x's dtype); the backward in x's dtype from the saved x and w, the
-    gradients of the exact product at these operands, as F.linear's backward computes them. x8 is x's e4m3 copy,
+def normed_fp8_linear(x: Tensor, w_NK: Tensor, x8: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """x @ w^T for normed rows x (..., K) and a weight w (N, K), in FP8 (torch._scaled_mm, e4m3 operands, fp32
+    accumulation, output in x's dtype): (the product, x's e4m3 copy (M, K), its scale). x8 is x's e4m3 copy,
     to_e4m3(x, normed_scale(x)), where its producer already wrote one (model/norm_kernels.py), else None."""
+    x_scale, w_scale = normed_scale(x), scale_of(w_NK)
+    x8_MK = (to_e4m3(x, x_scale) if x8 is None else x8).reshape(-1, x.size(-1))
+    # _scaled_mm takes its second operand column-major: w stored (N, K) row-major is just that, transposed
+    out_MN = fp8_mm(x8_MK, to_e4m3(w_NK, w_scale).t(), x_scale, w_scale, x.dtype)
+    return out_MN.view(*x.shape[:-1], w_NK.size(0)), x8_MK, x_scale
+
+
+class NormedFP8Linear(torch.autograd.Function):
+    """normed_fp8_linear; the backward in x's dtype from the saved x and w, the gradients of the exact product at
+    these operands, as F.linear's backward computes them."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w_NK: Tensor, x8: Tensor | None) -> Tensor:
-        x_scale, w_scale = normed_scale(x), scale_of(w_NK)
-        x8_MK = (to_e4m3(x, x_scale) if x8 is None else x8).reshape(-1, x.size(-1))
-        # _scaled_mm takes its second operand column-major: w stored (N, K) row-major is just that, transposed
-        out_MN = fp8_mm(x8_MK, to_e4m3(w_NK, w_scale).t(), x_scale, w_scale, x.dtype)
         ctx.save_for_backward(x, w_NK)
-        return out_MN.view(*x.shape[:-1], w_NK.size(0))
+        return normed_fp8_linear(x, w_NK, x8)[0]
 
     @staticmethod
     def backward(ctx, grad: Tensor):

@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from model.attention import attend
-from model.fp8 import (NormedFP8Linear, delayed_scale, fp8_mm, normed_operands, normed_scale, relu2_scale, scale_of,
-                       to_e4m3)
+from model.fp8 import (NormedFP8Linear, delayed_scale, fp8_mm, normed_fp8_linear, normed_operands, normed_scale,
+                       relu2_scale, scale_of, to_e4m3)
 
 try:  # the CUDA path's Triton kernels; CPU-only installs (CI) lack triton and run the torch ops below
     from model import embed_kernels, mlp_kernels, norm_kernels, qkv_kernels, skip_kernels
@@ -133,6 +133,28 @@ def qkv_prep(qkv_BT3Hd: Tensor, cos_TP: Tensor, sin_TP: Tensor, lambdas: Tensor,
     return q_BTHd, k_BTHd, v_BTHd
 
 
+def qkv_prep_grad_fp8(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, qkv_BT3Hd: Tensor, cos_TP: Tensor,
+                      sin_TP: Tensor, lambdas: Tensor, v_first_BTHd: Tensor | None, ve_BTA: Tensor | None,
+                      amax: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """qkv_prep's gradients for (qkv, lambdas, v_first, ve), qkv's also as an e4m3 copy (B T, 3 H d) at amax's delayed
+    scale (model/fp8.py), after which amax holds this gradient's absolute maximum: (qkv's gradient, its copy, the
+    scale, lambdas', v_first's and ve's gradients), an absent input's an empty tensor. By fp32 autograd through the
+    torch ops: FP8QKV's path off CUDA and the reference of model/qkv_kernels.py's kernel."""
+    inputs = [None if t is None else t.detach().float().requires_grad_()
+              for t in (qkv_BT3Hd, lambdas, v_first_BTHd, ve_BTA)]
+    with torch.enable_grad():
+        outs = qkv_prep(inputs[0], cos_TP, sin_TP, *inputs[1:])
+        present = [t for t in inputs if t is not None]
+        grads = iter(torch.autograd.grad(outs, present, [g.float() for g in (grad_q, grad_k, grad_v)]))
+    g_qkv, g_lambdas, g_v_first, g_ve = (None if t is None else next(grads) for t in inputs)
+    scale = delayed_scale(amax)
+    amax.copy_(g_qkv.abs().amax())
+    absent = qkv_BT3Hd.new_empty(0)
+    return (g_qkv.to(qkv_BT3Hd.dtype), to_e4m3(g_qkv.flatten(0, 1).flatten(1), scale), scale,
+            g_lambdas.to(lambdas.dtype), absent if g_v_first is None else g_v_first.to(v_first_BTHd.dtype),
+            absent if g_ve is None else g_ve.to(ve_BTA.dtype))
+
+
 class QKVPrep(torch.autograd.Function):
     """qkv_prep on the Triton kernels of model/qkv_kernels.py, one each way (CUDA, or the CPU under the Triton
     interpreter); saves only its inputs for backward."""
@@ -154,6 +176,49 @@ class QKVPrep(torch.autograd.Function):
                 None if ve_BTA is None else grad_ve)
 
 
+class FP8QKV(torch.autograd.Function):
+    """qkv_prep(x @ w^T) for normed rows x (B, T, D) and the fused weight w (3A, D) in x's dtype, with the product and
+    its backward's input gradient in FP8. The forward is normed_fp8_linear's (model/fp8.py), then QKVPrep's kernel;
+    the backward's kernel (QKVPrep's, with FP8) writes the product's output gradient in bf16 and also as an e4m3 copy
+    at grad_amax's delayed scale (model/fp8.py's delayed_scale), as the MLP's first backward kernel does (ReLU2MLP).
+    x's gradient reads that copy; w's stays a bf16 product of the gradient and the saved x, as its FP8 form would read
+    both operands transposed (tokens innermost), and a transposed copy written by this kernel cost more than the
+    product saves (bench/results/README.md, session of 2026-12-04). Off CUDA the torch ops of qkv_prep and
+    qkv_prep_grad_fp8."""
+
+    @staticmethod
+    def forward(ctx, x_BTD: Tensor, w_ND: Tensor, x8_BTD: Tensor | None, cos_TP: Tensor, sin_TP: Tensor,
+                lambdas: Tensor, v_first_BTHd: Tensor | None, ve_BTA: Tensor | None, grad_amax: Tensor,
+                num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+        B, T, _ = x_BTD.shape
+        qkv_BT3Hd = normed_fp8_linear(x_BTD, w_ND, x8_BTD)[0].view(B, T, 3 * num_heads, -1)
+        ctx.on_kernels = x_BTD.is_cuda and qkv_kernels is not None and qkv_kernels.supports(qkv_BT3Hd.size(-1))
+        ctx.save_for_backward(x_BTD, w_ND, qkv_BT3Hd, cos_TP, sin_TP, lambdas, v_first_BTHd, ve_BTA, grad_amax)
+        return (qkv_kernels.qkv_prep if ctx.on_kernels else qkv_prep)(qkv_BT3Hd, cos_TP, sin_TP, lambdas,
+                                                                      v_first_BTHd, ve_BTA)
+
+    @staticmethod
+    def backward(ctx, grad_q: Tensor, grad_k: Tensor, grad_v: Tensor):
+        x_BTD, w_ND, qkv_BT3Hd, cos_TP, sin_TP, lambdas, v_first_BTHd, ve_BTA, grad_amax = ctx.saved_tensors
+        # the kernel takes the gradients' rows at any stride (FlexAttention's arrive transposed), not their elements
+        grad_q, grad_k, grad_v = (g if g.stride(-1) == 1 else g.contiguous() for g in (grad_q, grad_k, grad_v))
+        g_BT3Hd, g8_MN, g_scale, grad_lambdas, grad_v_first, grad_ve = (
+            qkv_kernels.qkv_prep_grad_fp8 if ctx.on_kernels else qkv_prep_grad_fp8)(
+            grad_q, grad_k, grad_v, qkv_BT3Hd, cos_TP, sin_TP, lambdas, v_first_BTHd, ve_BTA, grad_amax)
+        w_scale = scale_of(w_ND)
+        # fp8_mm's second operand is read (K, N) column-major: w's (N, K) e4m3 copy stored transposed, then viewed back
+        grad_x_MD = fp8_mm(g8_MN, to_e4m3(w_ND.t(), w_scale).contiguous().t(), g_scale, w_scale, x_BTD.dtype)
+        grad_w_ND = g_BT3Hd.flatten(0, 1).flatten(1).t() @ x_BTD.flatten(0, 1)
+        return (grad_x_MD.view_as(x_BTD), grad_w_ND, None, None, None, grad_lambdas,
+                None if v_first_BTHd is None else grad_v_first, None if ve_BTA is None else grad_ve, None, None)
+
+
+def _no_history_in_older_checkpoints(module: nn.Module, state: dict, prefix: str, *args) -> None:
+    """A load_state_dict pre-hook of the parts with an FP8 backward: checkpoints written before their grad_amax was
+    saved load with no history (0), as a new run starts."""
+    state.setdefault(prefix + "grad_amax", torch.zeros(()))
+
+
 class Attention(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int, scale: float, gate: bool = True):
         super().__init__()
@@ -170,6 +235,11 @@ class Attention(nn.Module):
         # can switch itself off for a token at almost no cost (the gated attention of Qiu et al. 2025, made sparse)
         self.gate_w = nn.Parameter(torch.empty(num_heads, max(1, dim // GATE_FRACTION))) if gate else None
         self.fp8 = False  # the q, k, v projection in FP8 (model/fp8.py); set by runtime.dist.use_device_paths
+        self.fp8_backward = False  # with fp8, that projection's input gradient too (FP8QKV); likewise set
+        # the absolute maximum of the last gradient of the projection's output, for the next one's e4m3 scale, as the
+        # MLP's (whose comment says how it is saved, restored and agreed on between ranks)
+        self.register_buffer("grad_amax", torch.zeros(()))
+        self.register_load_state_dict_pre_hook(_no_history_in_older_checkpoints)
 
     def init_weights(self) -> None:
         _uniform_(self.qkv_w, 0.5 * self.qkv_w.size(-1) ** -0.5)  # std 0.5 / sqrt(fan_in): modded-nanogpt
@@ -178,6 +248,7 @@ class Attention(nn.Module):
         nn.init.constant_(self.value_lambdas, 0.5)
         if self.gate_w is not None:
             nn.init.zeros_(self.gate_w)  # every gate starts at sigmoid(0) = 1/2, as in record #28
+        self.grad_amax.zero_()  # a new run has no history (built on the meta device, the buffer holds garbage)
 
     def forward(self, x_BTD: Tensor, x8_BTD: Tensor | None, gate_in_BTG: Tensor, v_first_BTHd: Tensor | None,
                 ve_BTA: Tensor | None, cos_TP: Tensor, sin_TP: Tensor,
@@ -188,14 +259,18 @@ class Attention(nn.Module):
         B, T, _ = x_BTD.shape
         H, d = self.num_heads, self.head_dim
         qkv_w = self.qkv_w.flatten(0, 1).type_as(x_BTD)
-        if self.fp8:
-            qkv_BT3Hd = NormedFP8Linear.apply(x_BTD, qkv_w, x8_BTD)
+        if self.fp8 and self.fp8_backward:
+            q_BTHd, k_BTHd, v_BTHd = FP8QKV.apply(x_BTD, qkv_w, x8_BTD, cos_TP, sin_TP, self.value_lambdas,
+                                                  v_first_BTHd, ve_BTA, self.grad_amax, H)
         else:
-            qkv_BT3Hd = F.linear(x_BTD, qkv_w)
-        qkv_BT3Hd = qkv_BT3Hd.view(B, T, 3 * H, d)
-        on_kernels = x_BTD.is_cuda and qkv_kernels is not None and qkv_kernels.supports(d)
-        q_BTHd, k_BTHd, v_BTHd = (QKVPrep.apply if on_kernels else qkv_prep)(
-            qkv_BT3Hd, cos_TP, sin_TP, self.value_lambdas, v_first_BTHd, ve_BTA)
+            if self.fp8:
+                qkv_BT3Hd = NormedFP8Linear.apply(x_BTD, qkv_w, x8_BTD)
+            else:
+                qkv_BT3Hd = F.linear(x_BTD, qkv_w)
+            qkv_BT3Hd = qkv_BT3Hd.view(B, T, 3 * H, d)
+            on_kernels = x_BTD.is_cuda and qkv_kernels is not None and qkv_kernels.supports(d)
+            q_BTHd, k_BTHd, v_BTHd = (QKVPrep.apply if on_kernels else qkv_prep)(
+                qkv_BT3Hd, cos_TP, sin_TP, self.value_lambdas, v_first_BTHd, ve_BTA)
         y_BHTd = attend(q_BTHd.transpose(1, 2), k_BTHd.transpose(1, 2), v_BTHd.transpose(1, 2), mask, self.scale)
         y_BTHd = y_BHTd.transpose(1, 2)
         if self.gate_w is not None:
@@ -334,12 +409,7 @@ class MLP(nn.Module):
         # Saved with the weights, so that a resumed run continues with the scales it had (with several processes the
         # ranks agree on it each step: runtime/dist.py's agree_on_scales); train_gpt2's warm-up restores the initial 0
         self.register_buffer("grad_amax", torch.zeros(()))
-        self.register_load_state_dict_pre_hook(MLP._no_history_in_older_checkpoints)
-
-    @staticmethod
-    def _no_history_in_older_checkpoints(module: "MLP", state: dict, prefix: str, *args) -> None:
-        """Checkpoints written before grad_amax was saved load with no history (0), as a new run starts."""
-        state.setdefault(prefix + "grad_amax", torch.zeros(()))
+        self.register_load_state_dict_pre_hook(_no_history_in_older_checkpoints)
 
     def init_weights(self) -> None:
         _uniform_(self.fc_w, 0.5 * self.fc_w.size(0) ** -0.5)  # std 0.5 / sqrt(fan_in): modded-nanogpt

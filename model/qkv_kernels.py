@@ -26,7 +26,10 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from model.fp8 import E4M3_MAX, delayed_scale
+
 _EPS = tl.constexpr(1.1920928955078125e-07)  # F.rms_norm's default: fp32's eps, also for bf16 input
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
 # (rows per program, warps): of 12 configurations (bench/results/qkv_kernels_1xH200.json), the fastest backward and
 # within 0.5% of the fastest forward, with and without a value embedding: forward 0.120 / 0.136 ms, backward
 # 0.169 / 0.205 ms per micro-batch, against 0.147 / 0.164 ms forward for inductor's kernels of the torch ops
@@ -88,10 +91,22 @@ def _qkv_forward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve_
 
 
 @triton.jit
+def _abs_max(x):
+    return tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+
+
+@triton.jit
+def _e4m3(x, inv_scale):
+    """model.fp8.to_e4m3 at the scale whose inverse is inv_scale: scaled, clamped to e4m3's range, cast once."""
+    return tl.clamp(x * inv_scale, -_E4M3_MAX, _E4M3_MAX).to(tl.float8e4nv)
+
+
+@triton.jit
 def _qkv_backward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve_ptr, dq_ptr, dk_ptr, dv_ptr,
                      dq_sb, dq_st, dq_sh, dk_sb, dk_st, dk_sh, dv_sb, dv_st, dv_sh,
-                     dqkv_ptr, dv_first_ptr, dve_ptr, partial_ptr, R, T, H: tl.constexpr, D: tl.constexpr,
-                     BLOCK_R: tl.constexpr, HAS_V_FIRST: tl.constexpr, HAS_VE: tl.constexpr):
+                     dqkv_ptr, dv_first_ptr, dve_ptr, partial_ptr, g8_ptr, inv_scale_ptr, amax_ptr, R, T,
+                     H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, HAS_V_FIRST: tl.constexpr,
+                     HAS_VE: tl.constexpr, FP8: tl.constexpr):
     P: tl.constexpr = D // 2
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     inside = (rows < R)[:, None]
@@ -104,6 +119,11 @@ def _qkv_backward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve
     angle = t[:, None] * P + half
     cos = tl.load(cos_ptr + angle, mask=inside, other=0.0)
     sin = tl.load(sin_ptr + angle, mask=inside, other=0.0)
+    # FP8: dqkv's e4m3 copy too, in the same layout, and its absolute maximum (one atomic per program)
+    inv_scale = 1.0
+    amax = 0.0
+    if FP8:
+        inv_scale = tl.load(inv_scale_ptr)
 
     g = (batch * dq_sb + t * dq_st + head * dq_sh)[:, None]
     x1 = tl.load(qkv_ptr + src + half, mask=inside, other=0.0).to(tl.float32)
@@ -113,6 +133,10 @@ def _qkv_backward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve
     d1, d2 = _norm_rotary_grad(x1, x2, g1, g2, cos, sin, D)
     tl.store(dqkv_ptr + src + half, d1.to(dqkv_ptr.dtype.element_ty), mask=inside)
     tl.store(dqkv_ptr + src + P + half, d2.to(dqkv_ptr.dtype.element_ty), mask=inside)
+    if FP8:
+        tl.store(g8_ptr + src + half, _e4m3(d1, inv_scale), mask=inside)
+        tl.store(g8_ptr + src + P + half, _e4m3(d2, inv_scale), mask=inside)
+        amax = tl.maximum(amax, tl.maximum(_abs_max(d1), _abs_max(d2)))
 
     g = (batch * dk_sb + t * dk_st + head * dk_sh)[:, None]
     x1 = tl.load(qkv_ptr + src + H * D + half, mask=inside, other=0.0).to(tl.float32)
@@ -122,12 +146,19 @@ def _qkv_backward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve
     d1, d2 = _norm_rotary_grad(x1, x2, g1, g2, cos, sin, D)
     tl.store(dqkv_ptr + src + H * D + half, d1.to(dqkv_ptr.dtype.element_ty), mask=inside)
     tl.store(dqkv_ptr + src + H * D + P + half, d2.to(dqkv_ptr.dtype.element_ty), mask=inside)
+    if FP8:
+        tl.store(g8_ptr + src + H * D + half, _e4m3(d1, inv_scale), mask=inside)
+        tl.store(g8_ptr + src + H * D + P + half, _e4m3(d2, inv_scale), mask=inside)
+        amax = tl.maximum(amax, tl.maximum(_abs_max(d1), _abs_max(d2)))
 
     g_v = tl.load(dv_ptr + (batch * dv_sb + t * dv_st + head * dv_sh)[:, None] + full, mask=inside,
                   other=0.0).to(tl.float32)
     v_own = tl.load(qkv_ptr + src + 2 * H * D + full, mask=inside, other=0.0).to(tl.float32)
-    tl.store(dqkv_ptr + src + 2 * H * D + full, (tl.load(lambdas_ptr) * g_v).to(dqkv_ptr.dtype.element_ty),
-             mask=inside)
+    d_v = tl.load(lambdas_ptr) * g_v
+    tl.store(dqkv_ptr + src + 2 * H * D + full, d_v.to(dqkv_ptr.dtype.element_ty), mask=inside)
+    if FP8:
+        tl.store(g8_ptr + src + 2 * H * D + full, _e4m3(d_v, inv_scale), mask=inside)
+        tl.atomic_max(amax_ptr, tl.maximum(amax, _abs_max(d_v)))
     partial = partial_ptr + tl.program_id(0) * 3
     tl.store(partial, tl.sum(tl.sum(g_v * v_own, axis=1), axis=0))
     if HAS_V_FIRST:
@@ -181,11 +212,11 @@ def qkv_prep(qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor, v_first: Te
     return q, k, v
 
 
-@triton_op("speedrun::qkv_prep_grad", mutates_args=())
-def qkv_prep_grad(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor,
-                  v_first: Tensor | None, ve: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The gradients for (qkv, lambdas, v_first, ve) from those of qkv_prep's outputs; an absent value input's
-    gradient is an empty tensor, and so is its weight's entry of lambdas' gradient 0."""
+def _backward(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor,
+              v_first: Tensor | None, ve: Tensor | None, g8: Tensor | None, inv_scale: Tensor | None,
+              amax: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Launch the backward kernel (with g8, FP8: also dqkv's e4m3 copy into g8 and its amax into amax):
+    (dqkv, lambdas' gradient, v_first's, ve's)."""
     _check(qkv, cos, sin, lambdas, v_first, ve)
     B, T, H3, d = qkv.shape
     H = H3 // 3
@@ -193,7 +224,8 @@ def qkv_prep_grad(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, 
         torch._check(g.shape == (B, T, H, d) and g.stride(3) == 1,
                      lambda: "output gradients of shape (B, T, H, d), each row unit-stride")
     dqkv = torch.empty_like(qkv)
-    # an absent input's gradient is never written: its pointer is dqkv's (a 0-element tensor may have none)
+    # an absent input's gradient is never written: its pointer is dqkv's (a 0-element tensor may have none), and so
+    # are the FP8 outputs' without FP8
     dv_first = torch.empty_like(v_first) if v_first is not None else qkv.new_empty(0)
     dve = torch.empty_like(ve) if ve is not None else qkv.new_empty(0)
     block_r, warps = BACKWARD_CONFIG
@@ -204,6 +236,31 @@ def qkv_prep_grad(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, 
         qkv, cos, sin, lambdas, qkv if v_first is None else v_first, qkv if ve is None else ve, dq, dk, dv,
         dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), dqkv, dqkv if v_first is None else dv_first,
-        dqkv if ve is None else dve, partial, R, T, H=H, D=d, BLOCK_R=block_r,
-        HAS_V_FIRST=v_first is not None, HAS_VE=ve is not None, num_warps=warps)
+        dqkv if ve is None else dve, partial, dqkv if g8 is None else g8, partial if inv_scale is None else inv_scale,
+        partial if amax is None else amax, R, T, H=H, D=d, BLOCK_R=block_r, HAS_V_FIRST=v_first is not None,
+        HAS_VE=ve is not None, FP8=g8 is not None, num_warps=warps)
     return dqkv, partial.sum(dim=0).to(lambdas.dtype), dv_first, dve
+
+
+@triton_op("speedrun::qkv_prep_grad", mutates_args=())
+def qkv_prep_grad(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor,
+                  v_first: Tensor | None, ve: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients for (qkv, lambdas, v_first, ve) from those of qkv_prep's outputs; an absent value input's
+    gradient is an empty tensor, and so is its weight's entry of lambdas' gradient 0."""
+    return _backward(dq, dk, dv, qkv, cos, sin, lambdas, v_first, ve, None, None, None)
+
+
+@triton_op("speedrun::qkv_prep_grad_fp8", mutates_args=("amax",))
+def qkv_prep_grad_fp8(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor,
+                      v_first: Tensor | None, ve: Tensor | None,
+                      amax: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """qkv_prep_grad, and qkv's gradient also as an e4m3 copy (B T, 3 H d) at the scale of amax
+    (model.fp8.delayed_scale), which the kernel then sets to this gradient's absolute maximum: (dqkv, g8, scale, then
+    the gradients of lambdas, v_first and ve). model.layers.qkv_prep_grad_fp8."""
+    torch._check(amax.dtype == torch.float32 and amax.dim() == 0, lambda: "amax must be a 0-D fp32 tensor")
+    B, T, H3, d = qkv.shape
+    scale = delayed_scale(amax)
+    amax.zero_()  # after the scale is read: the kernel's programs raise it from 0
+    g8 = qkv.new_empty((B * T, H3 * d), dtype=torch.float8_e4m3fn)
+    dqkv, *others = _backward(dq, dk, dv, qkv, cos, sin, lambdas, v_first, ve, g8, 1 / scale, amax)
+    return dqkv, g8, scale, *others

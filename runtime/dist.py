@@ -146,8 +146,8 @@ def use_device_paths(model, device: torch.device, fp8_head: bool = False, fp8_fo
     """Pick the model's kernels for `device`. FlexAttention has no CPU backward, so on the CPU the same mask
     runs through SDPA (tests prove the two equal); CPUs without bf16 units emulate it slowly, so CPU math is fp32.
     The LM head's fused loss saves GPU memory and time; on the CPU plain F.cross_entropy is faster. It runs in
-    FP8 when asked for and the GPU has it; so do the blocks' forward products (model/fp8.py), and with them the MLPs'
-    backward products (ReLU2MLP)."""
+    FP8 when asked for and the GPU has it; so do the blocks' forward products (model/fp8.py), and with them the
+    MLPs' backward products and the attentions' q, k, v projections' input gradients (ReLU2MLP, FP8QKV)."""
     cuda = device.type == "cuda"
     model.attention_backend = "flex" if cuda else "sdpa"
     if not cuda:
@@ -161,8 +161,9 @@ def use_device_paths(model, device: torch.device, fp8_head: bool = False, fp8_fo
         for part in (block.attn, block.mlp):
             if part is not None:
                 part.fp8 = fp8_forward and fp8_fits and fp8_forward_supported(device)
-        if block.mlp is not None:
-            block.mlp.fp8_backward = block.mlp.fp8 and fp8_backward
+        for part in (block.attn, block.mlp):
+            if part is not None:
+                part.fp8_backward = part.fp8 and fp8_backward
 
 
 def setup(device_flag: str) -> Runtime:
@@ -199,11 +200,12 @@ def all_ranks_sum(value: float, rt: Runtime) -> float:
 
 
 def agree_on_scales(model, rt: Runtime) -> None:
-    """Every rank's MLPs take the largest of the ranks' last gradient amaxes, the history their FP8 backward scales
-    by (model/layers.py's ReLU2MLP). Each rank records its own micro-batches', so without this the ranks' next scales
-    would differ, and a checkpoint, which saves rank 0's, would resume the others at scales they never had. Called
-    once a step, before the update: one all_reduce of a few floats."""
-    amaxes = [b.mlp.grad_amax for b in model.blocks if b.mlp is not None and b.mlp.fp8_backward]
+    """Every rank's MLPs and attentions take the largest of the ranks' last gradient amaxes, the history their FP8
+    backward scales by (model/layers.py's ReLU2MLP and FP8QKV). Each rank records its own micro-batches', so without
+    this the ranks' next scales would differ, and a checkpoint, which saves rank 0's, would resume the others at scales
+    they never had. Called once a step, before the update: one all_reduce of a few floats."""
+    amaxes = [part.grad_amax for b in model.blocks for part in (b.attn, b.mlp)
+              if part is not None and part.fp8_backward]
     if rt.world_size == 1 or not amaxes:
         return
     stacked = torch.stack(amaxes)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from helpers import output_and_grads as grads
 from model import layers
-from model.fp8 import (E4M3_MAX, NormedFP8Linear, delayed_scale, normed_operands, normed_scale, relu2_scale, scale_of,
-                       to_e4m3)
+from model.fp8 import (E4M3_MAX, NormedFP8Linear, delayed_scale, normed_fp8_linear, normed_operands, normed_scale,
+                       relu2_scale, scale_of, to_e4m3)
 from model.config import GPTConfig
 from model.gpt import GPT
 from runtime.dist import Runtime, agree_on_scales, use_device_paths
@@ -193,6 +193,59 @@ def test_a_site_without_history_gets_scale_one():
     assert amax.item() == layers.relu2_matmul_grad(grad_y.float(), w2.float(), h.float()).abs().max().item() > 0
 
 
+@pytest.mark.parametrize("history", [1.0, 0.5])
+def test_fp8_backward_qkv_on_torch_ops(history):
+    """FP8QKV off the kernels: q, k, v are qkv_prep's of the FP8 product (normed_fp8_linear); x's gradient equals
+    fp64's product of the e4m3 copies it reads, up to one rounding of its output: the output gradient's at the delayed
+    scale of grad_amax's value before the call (qkv_prep_grad_fp8, which tests/test_qkv.py checks) and w's; grad_amax
+    then holds this gradient's amax; w's gradient is the bf16 product of that gradient and x, and the value weights'
+    and embedding's gradients are qkv_prep's at the FP8 product. With the true amax as history, the gradients of x
+    and w within FP8's error of the bf16 path's (F.linear, then qkv_prep)."""
+    B, T, H, d, D = 2, 16, 2, 16, 32
+    g = torch.Generator().manual_seed(3)
+    x = normed(B * T, D).bfloat16().view(B, T, D)
+    w = (torch.randn(3 * H * d, D, generator=g) * D ** -0.5).bfloat16()
+    cos, sin = layers.rotary_tables(T, d, 1024.0, torch.device("cpu"))
+    lambdas, ve = torch.tensor([0.7, -0.4, 1.3]), torch.randn(B, T, H * d, generator=g).bfloat16()
+    upstream = [torch.randn(B, T, H, d, generator=g).bfloat16() for _ in range(3)]
+
+    qkv = normed_fp8_linear(x, w, None)[0].view(B, T, 3 * H, d)
+    g_exact = qkv_grad(qkv, cos, sin, lambdas, ve, upstream)
+    amax = (history * g_exact.abs().amax()).float().reshape(())
+    g_qkv, g8, g_scale, want_lambdas, _, want_ve = layers.qkv_prep_grad_fp8(*upstream, qkv, cos, sin, lambdas, None,
+                                                                            ve, amax.clone())
+    leaves = [t.detach().requires_grad_() for t in (x, w, lambdas, ve)]
+    outs = layers.FP8QKV.apply(leaves[0], leaves[1], None, cos, sin, leaves[2], None, leaves[3], amax, H)
+    torch.autograd.backward(outs, upstream)
+    got_x, got_w, got_lambdas, got_ve = (t.grad for t in leaves)
+
+    for a, b in zip(outs, layers.qkv_prep(qkv, cos, sin, lambdas, None, ve), strict=True):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(amax.double(), g_exact.abs().amax(), rtol=1e-6, atol=0)  # fp32 autograd's
+    assert (g_exact.abs() > E4M3_MAX * g_scale * (1 + 1e-6)).any() == (history < 1)  # values past the range or none
+    w_scale = scale_of(w)
+    want_x = decoded(g8, g_scale) @ decoded(to_e4m3(w, w_scale), w_scale)
+    assert got_x.dtype == torch.bfloat16
+    torch.testing.assert_close(got_x.flatten(0, 1).double(), want_x, rtol=2.0 ** -8,
+                               atol=1e-6 * want_x.abs().max().item())
+    assert torch.equal(got_w, g_qkv.flatten(0, 1).flatten(1).t() @ x.flatten(0, 1))
+    assert torch.equal(got_lambdas, want_lambdas) and torch.equal(got_ve, want_ve)
+    if history == 1:
+        leaves = [t.detach().requires_grad_() for t in (x, w)]
+        bf16_qkv = F.linear(leaves[0], leaves[1]).view(B, T, 3 * H, d)
+        torch.autograd.backward(layers.qkv_prep(bf16_qkv, cos, sin, lambdas, None, ve), upstream)
+        for a, b in ((got_x, leaves[0].grad), (got_w, leaves[1].grad)):
+            assert (a.float() - b.float()).abs().max() < 0.1 * b.float().abs().max()
+
+
+def qkv_grad(qkv, cos, sin, lambdas, ve, upstream):
+    """qkv_prep's gradient for qkv (B T, 3 H d) in fp64."""
+    leaf = qkv.double().requires_grad_()
+    outs = layers.qkv_prep(leaf, cos.double(), sin.double(), lambdas.double(), None, ve.double())
+    torch.autograd.backward(outs, [u.double() for u in upstream])
+    return leaf.grad.flatten(0, 1).flatten(1)
+
+
 def small_model(dim=64):
     return GPT(GPTConfig(num_layers=2, model_dim=dim, num_heads=2, head_dim=dim // 2,
                          num_value_embeds=1))
@@ -202,34 +255,44 @@ def fp8_parts(model):
     return [part.fp8 for b in model.blocks for part in (b.attn, b.mlp) if part is not None]
 
 
+def amaxes(model) -> list[float]:
+    """grad_amax of each block's attention, then its MLP's."""
+    return [part.grad_amax.item() for b in model.blocks for part in (b.attn, b.mlp)]
+
+
 def test_the_gradient_history_is_saved_with_the_weights():
-    """A resumed run continues with the FP8 backward's scales it had: an MLP's grad_amax is in its state and comes
-    back with it, and the warm-up's restore of the initial state brings back its 0. A state without it (a checkpoint
-    written before it was saved) loads with no history."""
+    """A resumed run continues with the FP8 backward's scales it had: the grad_amax of each attention and MLP is in
+    their state and comes back with it, and the warm-up's restore of the initial state brings back its 0. A state
+    without it (a checkpoint written before it was saved) loads with no history."""
     model = small_model()
     initial = copy.deepcopy(model.state_dict())
     for i, block in enumerate(model.blocks):
+        block.attn.grad_amax.fill_(1.0 + i)
         block.mlp.grad_amax.fill_(3.0 + i)
     saved = copy.deepcopy(model.state_dict())
-    assert [saved[f"blocks.{i}.mlp.grad_amax"].item() for i in range(2)] == [3.0, 4.0]
+    assert [saved[f"blocks.{i}.{part}.grad_amax"].item() for i in range(2) for part in ("attn", "mlp")] == \
+        [1.0, 3.0, 2.0, 4.0]
     model.load_state_dict(initial)
-    assert [b.mlp.grad_amax.item() for b in model.blocks] == [0.0, 0.0]
+    assert amaxes(model) == [0.0] * 4
     model.load_state_dict(saved)
-    assert [b.mlp.grad_amax.item() for b in model.blocks] == [3.0, 4.0]
+    assert amaxes(model) == [1.0, 3.0, 2.0, 4.0]
     older = {k: v for k, v in initial.items() if not k.endswith("grad_amax")}
     model.load_state_dict(older)  # strict: no missing key
-    assert [b.mlp.grad_amax.item() for b in model.blocks] == [0.0, 0.0]
+    assert amaxes(model) == [0.0] * 4
 
 
 def histories(rank: int) -> list[float]:
-    """Each rank's grad_amax per block after agree_on_scales: block 0's MLP runs its backward in FP8, block 1's not."""
+    """Each rank's grad_amax per block (attention, MLP) after agree_on_scales: block 0's attention and MLP run their
+    backward in FP8, block 1's not."""
     model = small_model()
-    model.blocks[0].mlp.fp8 = model.blocks[0].mlp.fp8_backward = True
-    for block, amax in zip(model.blocks, [[2.0, 7.0], [5.0, 1.0]][rank]):
-        block.mlp.grad_amax.fill_(amax)
+    for part in (model.blocks[0].attn, model.blocks[0].mlp):
+        part.fp8 = part.fp8_backward = True
+    for block, amax in zip(model.blocks, [[[2.0, 7.0], [6.0, 8.0]], [[5.0, 1.0], [3.0, 4.0]]][rank]):
+        block.attn.grad_amax.fill_(amax[0])
+        block.mlp.grad_amax.fill_(amax[1])
     agree_on_scales(model, Runtime(rank, torch_dist.get_world_size() if torch_dist.is_initialized() else 1,
                                    torch.device("cpu")))
-    return [b.mlp.grad_amax.item() for b in model.blocks]
+    return amaxes(model)
 
 
 def scales_rank_main(rank: int, store: str, out_dir: str) -> None:
@@ -242,25 +305,25 @@ def scales_rank_main(rank: int, store: str, out_dir: str) -> None:
 
 
 def test_ranks_agree_on_the_gradient_history(tmp_path):
-    """With two gloo ranks, every MLP whose backward runs in FP8 takes the larger of the two ranks' amaxes, so the
-    next step's scales and a checkpoint's (rank 0's) history are every rank's; the others keep their own. One process
-    changes nothing."""
+    """With two gloo ranks, every attention and MLP whose backward runs in FP8 takes the larger of the two ranks'
+    amaxes, so the next step's scales and a checkpoint's (rank 0's) history are every rank's; the others keep their
+    own. One process changes nothing."""
     mp.start_processes(scales_rank_main, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True,
                        start_method="fork")  # as tests/test_optim_dist.py: a spawned child re-imports torch
-    assert torch.load(tmp_path / "rank0.pt") == [5.0, 7.0]
-    assert torch.load(tmp_path / "rank1.pt") == [5.0, 1.0]
-    assert histories(0) == [2.0, 7.0]
+    assert torch.load(tmp_path / "rank0.pt") == [5.0, 7.0, 6.0, 8.0]
+    assert torch.load(tmp_path / "rank1.pt") == [5.0, 7.0, 3.0, 4.0]
+    assert histories(0) == [2.0, 7.0, 6.0, 8.0]
 
 
 def fp8_backward_parts(model):
-    return [b.mlp.fp8_backward for b in model.blocks if b.mlp is not None]
+    return [part.fp8_backward for b in model.blocks for part in (b.attn, b.mlp) if part is not None]
 
 
 def test_fp8_stays_off_where_its_kernels_cannot_run():
     """On the CPU (and any GPU but Hopper) --fp8_forward and --fp8_backward leave every block in bf16."""
     model = small_model()
     use_device_paths(model, torch.device("cpu"), fp8_forward=True, fp8_backward=True)
-    assert fp8_parts(model) == [False] * 4 and fp8_backward_parts(model) == [False] * 2
+    assert fp8_parts(model) == [False] * 4 and fp8_backward_parts(model) == [False] * 4
 
 
 @gpu
@@ -270,11 +333,11 @@ def test_fp8_is_on_for_every_block_on_hopper_where_the_widths_allow():
     16-byte aligned (8 channels)."""
     model = small_model()
     use_device_paths(model, torch.device("cuda"), fp8_forward=True)
-    assert fp8_parts(model) == [True] * 4 and fp8_backward_parts(model) == [False] * 2
+    assert fp8_parts(model) == [True] * 4 and fp8_backward_parts(model) == [False] * 4
     use_device_paths(model, torch.device("cuda"), fp8_forward=True, fp8_backward=True)
-    assert fp8_parts(model) == [True] * 4 and fp8_backward_parts(model) == [True] * 2
+    assert fp8_parts(model) == [True] * 4 and fp8_backward_parts(model) == [True] * 4
     use_device_paths(model, torch.device("cuda"), fp8_forward=False, fp8_backward=True)  # nothing to read
-    assert fp8_parts(model) == [False] * 4 and fp8_backward_parts(model) == [False] * 2
+    assert fp8_parts(model) == [False] * 4 and fp8_backward_parts(model) == [False] * 4
     narrow = small_model(dim=8)
     use_device_paths(narrow, torch.device("cuda"), fp8_forward=True)
     assert fp8_parts(narrow) == [False] * 4
