@@ -24,11 +24,12 @@ two machines (bench/results/README.md, section 2f3283f). The precision holds: th
 and 1.0182 for the bf16 backward (seed 0 at 153346e, seed 1 at dbd7665), all below the target 1.0253.
 
 --fp8_backward also runs the attention's q, k, v projection's input gradient in FP8 (FP8QKV in model/layers.py):
-QKVPrep's backward kernel writes the projection's output gradient in bf16 and also as an e4m3 copy at a delayed
-scale. Its weight gradient and the output projection's stay bf16: qkv's weight gradient in FP8 too, from a transposed
-copy written by the same kernel, made the step 7.5-8.2 ms slower (likely its transposed stores: that kernel took
-0.13-0.17 ms more a call) and wrote a wrong transposed copy on the GPU (bench/results/README.md, session of
-2026-12-04; bench/results/fp8_qkv_backward_experiment.patch).
+QKVPrep's backward kernel writes the projection's output gradient in bf16 and also as an e4m3 copy at a delayed scale.
+The step took 6.34 ms less with it, in two same-machine pairs (bench/results/README.md, section ed6e773); the short
+speedrun reached 1.0181 and 1.0175 (seeds 0 and 1). Its weight gradient and the output projection's stay bf16: qkv's
+weight gradient in FP8 too, from a transposed copy written by the same kernel, made the step 7.5-8.2 ms slower (likely
+its transposed stores: that kernel took 0.13-0.17 ms more a call) and wrote a wrong transposed copy on the GPU
+(bench/results/README.md, session of 2026-12-04; bench/results/fp8_qkv_backward_experiment.patch).
 """
 import torch
 from torch import Tensor
