@@ -155,6 +155,11 @@ def qkv_prep_grad_fp8(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, qkv_BT3Hd:
             absent if g_ve is None else g_ve.to(ve_BTA.dtype))
 
 
+def on_qkv_kernels(x: Tensor, head_dim: int) -> bool:
+    """Whether qkv_prep runs on model/qkv_kernels.py's kernels for x's device and this head width."""
+    return x.is_cuda and qkv_kernels is not None and qkv_kernels.supports(head_dim)
+
+
 class QKVPrep(torch.autograd.Function):
     """qkv_prep on the Triton kernels of model/qkv_kernels.py, one each way (CUDA, or the CPU under the Triton
     interpreter); saves only its inputs for backward."""
@@ -192,7 +197,7 @@ class FP8QKV(torch.autograd.Function):
                 num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
         B, T, _ = x_BTD.shape
         qkv_BT3Hd = normed_fp8_linear(x_BTD, w_ND, x8_BTD)[0].view(B, T, 3 * num_heads, -1)
-        ctx.on_kernels = x_BTD.is_cuda and qkv_kernels is not None and qkv_kernels.supports(qkv_BT3Hd.size(-1))
+        ctx.on_kernels = on_qkv_kernels(x_BTD, qkv_BT3Hd.size(-1))
         ctx.save_for_backward(x_BTD, w_ND, qkv_BT3Hd, cos_TP, sin_TP, lambdas, v_first_BTHd, ve_BTA, grad_amax)
         return (qkv_kernels.qkv_prep if ctx.on_kernels else qkv_prep)(qkv_BT3Hd, cos_TP, sin_TP, lambdas,
                                                                       v_first_BTHd, ve_BTA)
@@ -268,8 +273,7 @@ class Attention(nn.Module):
             else:
                 qkv_BT3Hd = F.linear(x_BTD, qkv_w)
             qkv_BT3Hd = qkv_BT3Hd.view(B, T, 3 * H, d)
-            on_kernels = x_BTD.is_cuda and qkv_kernels is not None and qkv_kernels.supports(d)
-            q_BTHd, k_BTHd, v_BTHd = (QKVPrep.apply if on_kernels else qkv_prep)(
+            q_BTHd, k_BTHd, v_BTHd = (QKVPrep.apply if on_qkv_kernels(x_BTD, d) else qkv_prep)(
                 qkv_BT3Hd, cos_TP, sin_TP, self.value_lambdas, v_first_BTHd, ve_BTA)
         y_BHTd = attend(q_BTHd.transpose(1, 2), k_BTHd.transpose(1, 2), v_BTHd.transpose(1, 2), mask, self.scale)
         y_BTHd = y_BHTd.transpose(1, 2)
