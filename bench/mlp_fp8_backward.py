@@ -1,4 +1,4 @@
-"""The MLP's backward with its three products after the first in FP8 (ReLU2MLP with grad_amax, model/layers.py),
+"""The MLP's backward with its four products in FP8 (ReLU2MLP with grad_amax, model/layers.py),
 against the MLP with only its forward in FP8, one micro-batch, compiled as the step compiles a block (GPU
 only).
 
@@ -37,7 +37,7 @@ from bench.mlp_kernels import HIDDEN as FF
 from bench.power import REST_S, run_kind
 from bench.timing import failure, graph_ms
 from model import layers, mlp_kernels
-from model.fp8 import E4M3_MAX, delayed_scale, normed_operands, relu2_scale
+from model.fp8 import E4M3_MAX, delayed_scale, grad_operands, normed_operands, relu2_scale
 
 
 def problem() -> dict:
@@ -60,7 +60,8 @@ def kernel_checks(p: dict) -> dict:
     g = mlp_kernels.relu2_matmul_grad(p["grad_y"], p["w2"], h)
     amax = torch.full((), 0.5 * g.float().abs().max().item(), device="cuda")  # half: the largest values saturate
     g_scale_want = delayed_scale(amax.clone())
-    g8, g8t, g_scale = mlp_kernels.relu2_matmul_grad_fp8(p["grad_y"], p["w2"], h, amax)
+    gy8, w2_8, gy_scale, w2_scale = grad_operands(p["grad_y"], p["w2"])
+    g8, g8t, g_scale = mlp_kernels.relu2_matmul_grad_fp8(gy8, w2_8, gy_scale * w2_scale, h, amax)
     decoded = g8.float() * g_scale
     clipped = g.float().clamp(-E4M3_MAX * g_scale, E4M3_MAX * g_scale)
     return {"forward_h_equal": torch.equal(h_t, h), "forward_h8_equal": torch.equal(h8_t.view(torch.uint8),
@@ -89,6 +90,8 @@ def kernel_times(p: dict) -> dict:
         return g8
 
     g8t = torch.empty(FF, M, device="cuda", dtype=torch.float8_e4m3fn)
+    gy8, w2_8, gy_scale, w2_scale = grad_operands(p["grad_y"], p["w2"])
+    gw_scale = gy_scale * w2_scale
 
     calls = {"relu2_matmul_fp8 (h, h8)": lambda: mlp_kernels.relu2_matmul_fp8(x8, w8, scale, inv),
              "relu2_matmul_fp8_t (h, h8, h8 transposed)": lambda: mlp_kernels.relu2_matmul_fp8_t(x8, w8, scale, inv),
@@ -96,7 +99,11 @@ def kernel_times(p: dict) -> dict:
                  lambda: mlp_kernels.relu2_matmul_fp8(x8, w8, scale, inv)[1].t().contiguous(),
              "relu2_matmul_grad (bf16 out)": lambda: mlp_kernels.relu2_matmul_grad(p["grad_y"], p["w2"], h),
              "relu2_matmul_grad_fp8 (g8, g8 transposed, amax)":
-                 lambda: mlp_kernels.relu2_matmul_grad_fp8(p["grad_y"], p["w2"], h, amax),
+                 lambda: mlp_kernels.relu2_matmul_grad_fp8(gy8, w2_8, gw_scale, h, amax),
+             "the same copies and amax from bf16 operands (before the operands were e4m3)":
+                 lambda: g8_only(out8_NM=g8t, amax=amax),
+             "grad_operands (grad_y's amax and e4m3 copy, W2's transposed)":
+                 lambda: grad_operands(p["grad_y"], p["w2"]),
              "the same kernel writing g8 only": g8_only,
              "the same kernel writing g8 and amax": lambda: g8_only(amax=amax),
              "the same kernel writing g8 and g8 transposed": lambda: g8_only(out8_NM=g8t),

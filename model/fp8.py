@@ -11,17 +11,19 @@ are not aligned), with subnormals for the smallest, whose absolute error stays b
 
 Why FP8: the step runs at the H200's power limit, where an FP8 product takes about 60% of a bf16 one's time
 (bench/results/mlp_fp8_1xH200.json, at the limit: the MLP's first layer 0.243 against 0.405 ms, the qkv projection
-0.179 against 0.289). The backward's products read gradients, which have no bound to scale them by, and their
-weight gradients read both operands transposed (tokens innermost, as Hopper's 8-bit MMA reads only K-major
-operands). Measured for the backward (bench/fp8_backward.py, bench/results/README.md at 41836c2): a block's seven
-cuBLAS products in FP8 took 1.02 ms against 1.86 in bf16 at the limit, but 2.24 with the casts of their operands as
-kernels of their own. So FP8 in the backward pays only where the kernels that make the operands write the copies.
---fp8_backward (on by default) does that for the MLP's three products after its first (ReLU2MLP in
-model/layers.py): the Gluon kernels write h's and the pre-activation gradient's copies in both layouts, the
-gradient's at a delayed scale (delayed_scale). The step took 27.7 and 22.9 ms less with it, in same-machine pairs on
-two machines (bench/results/README.md, section 2f3283f). The precision holds: the short speedrun reached 1.0158 at
-124.61 s with it (seed 0) and 1.0174 and 1.0217 at 119.2-119.3 s (seeds 0 and 1, a faster machine), against 1.0159
-and 1.0182 for the bf16 backward (seed 0 at 153346e, seed 1 at dbd7665), all below the target 1.0253.
+0.179 against 0.289). The backward's products read gradients, which have no bound to scale them by, and their weight
+gradients read both operands transposed (tokens innermost, as Hopper's 8-bit MMA reads only K-major operands).
+Measured for the backward (bench/fp8_backward.py, bench/results/README.md at 41836c2): a block's seven cuBLAS products
+in FP8 took 1.02 ms against 1.86 in bf16 at the limit, but 2.24 with the casts of their operands as kernels of their
+own. So FP8 in the backward pays only where the kernels that make the operands write the copies. --fp8_backward (on by
+default) does that for the MLP's four products (ReLU2MLP in model/layers.py). For the three after its first, the
+Gluon kernels write h's and the pre-activation gradient's copies in both layouts, the gradient's at a delayed scale
+(delayed_scale): the step took 27.7 and 22.9 ms less with them, in same-machine pairs on two machines
+(bench/results/README.md, section 2f3283f). The short speedrun reached 1.0158 at 124.61 s with them (seed 0) and
+1.0174 and 1.0217 at 119.2-119.3 s (seeds 0 and 1, a faster machine), against 1.0159 and 1.0182 for the bf16 backward
+(seed 0 at 153346e, seed 1 at dbd7665), all below the target 1.0253. The first, the widest, reads copies of the
+output's gradient and of W2 made by a pass of their own (grad_operands): one (M, D) tensor, a quarter of the hidden's
+size. It took 8.14 ms off the step in a same-machine pair (bench/results/README.md, section f00c0b4).
 
 --fp8_backward also runs the attention's q, k, v projection's input gradient in FP8 (FP8QKV in model/layers.py):
 QKVPrep's backward kernel writes the projection's output gradient in bf16 and also as an e4m3 copy at a delayed scale.
@@ -67,6 +69,14 @@ def normed_operands(x_MK: Tensor, w_KN: Tensor) -> tuple[Tensor, Tensor, Tensor]
     as Hopper's 8-bit warpgroup MMA reads both operands, and the product of their scales."""
     x_scale, w_scale = normed_scale(x_MK), scale_of(w_KN)
     return to_e4m3(x_MK, x_scale), to_e4m3(w_KN.t(), w_scale).contiguous(), x_scale * w_scale
+
+
+def grad_operands(g_MK: Tensor, w_KN: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(g8 (M, K), w8 (N, K), g's scale, w's scale) for g @ w, g a gradient and w (K, N) a weight: e4m3 copies at
+    each tensor's own amax (a pass over g: a gradient has no bound known before it), w's stored K-major as in
+    normed_operands."""
+    g_scale, w_scale = scale_of(g_MK), scale_of(w_KN)
+    return to_e4m3(g_MK, g_scale), to_e4m3(w_KN.t(), w_scale).contiguous(), g_scale, w_scale
 
 
 def relu2_scale(w8_NK: Tensor, scale: Tensor) -> Tensor:

@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from model.attention import attend
-from model.fp8 import (NormedFP8Linear, delayed_scale, fp8_mm, normed_fp8_linear, normed_operands, normed_scale,
-                       relu2_scale, scale_of, to_e4m3)
+from model.fp8 import (NormedFP8Linear, delayed_scale, fp8_mm, grad_operands, normed_fp8_linear, normed_operands,
+                       normed_scale, relu2_scale, scale_of, to_e4m3)
 
 try:  # the CUDA path's Triton kernels; CPU-only installs (CI) lack triton and run the torch ops below
     from model import embed_kernels, mlp_kernels, norm_kernels, qkv_kernels, skip_kernels
@@ -311,12 +311,13 @@ def relu2_matmul_grad(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor) -> Tensor:
     return (grad_y_MK @ w_KN) * (2.0 * h_MN.sqrt())
 
 
-def relu2_matmul_grad_fp8(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor,
+def relu2_matmul_grad_fp8(grad_y8_MK: Tensor, w8_NK: Tensor, scale: Tensor, h_MN: Tensor,
                           amax: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """relu2_matmul_grad in fp32 torch ops, written as e4m3 copies (M, N) and (N, M) at amax's delayed scale, amax
-    then set to the gradient's absolute maximum: (g8, g8 transposed, scale). The reference of model/mlp_kernels.py's
-    kernel of the same name."""
-    g_MN = relu2_matmul_grad(grad_y_MK.float(), w_KN.float(), h_MN.float())
+    """relu2_matmul_grad of e4m3 operands, (scale * grad_y8 @ w8^T) * 2 relu(pre) (w8 stored (N, K), K-major), in
+    fp32 torch ops, written as e4m3 copies (M, N) and (N, M) at amax's delayed scale, amax then set to the gradient's
+    absolute maximum: (g8, g8 transposed, the copies' scale). The reference of model/mlp_kernels.py's kernel of the
+    same name."""
+    g_MN = relu2_matmul_grad(grad_y8_MK.float(), w8_NK.float().t() * scale, h_MN.float())
     scale = delayed_scale(amax)
     amax.copy_(g_MN.abs().amax())
     g8_MN = to_e4m3(g_MN, scale)
@@ -352,12 +353,13 @@ class ReLU2MLP(torch.autograd.Function):
     and of W1, and it writes h twice, in bf16 for the backward and in e4m3 (at relu2_scale's bound, from W1 alone) for
     the second, whose weight W2 is scaled by its absolute maximum. The backward is the same bf16 backward, at h.
 
-    With grad_amax as well (a 0-D fp32 buffer of this MLP's), the backward's three products after the first also
-    run in FP8 (torch._scaled_mm). Each reads its operands K-major, the tokens innermost for the weights' gradients,
-    so the copies are laid out for them where they are made: the forward's kernel writes h's e4m3 copy transposed
-    too, x's copy is transposed once and kept in place of x, and the first backward kernel writes the
-    pre-activation's gradient only as e4m3 copies, in both layouts, at grad_amax's delayed scale (model/fp8.py's
-    delayed_scale). The output's gradient gets a copy at its own amax (a pass of its own, over an (M, D) tensor)."""
+    With grad_amax as well (a 0-D fp32 buffer of this MLP's), the backward's four products run in FP8 too: the first
+    in the Gluon kernel, on e4m3 copies of the output's gradient and of W2, each at its own amax (model/fp8.py's
+    grad_operands: a pass over the (M, D) gradient), the other three in torch._scaled_mm. Each reads its operands
+    K-major, the tokens innermost for the weights' gradients, so the copies are laid out for them where they are
+    made: the forward's kernel writes h's e4m3 copy transposed too, x's copy is transposed once and kept in place of
+    x, the output gradient's copy is transposed once more, and the first backward kernel writes the pre-activation's
+    gradient only as e4m3 copies, in both layouts, at grad_amax's delayed scale (model/fp8.py's delayed_scale)."""
 
     @staticmethod
     def forward(ctx, x_MD: Tensor, fc_DF: Tensor, proj_DF: Tensor, r_MD: Tensor, fp8: bool,
@@ -389,13 +391,13 @@ class ReLU2MLP(torch.autograd.Function):
             grad_pre_MF = ops.relu2_matmul_grad(grad_y_MD, proj_DF, h_MF)
             return grad_pre_MF @ fc_DF.t(), x_MD.t() @ grad_pre_MF, grad_y_MD.t() @ h_MF, grad_y_MD, None, None
         x8_DM, x_scale, fc_DF, proj_DF, h_MF, h8_FM, h_scale, grad_amax = ctx.saved_tensors
-        g8_MF, g8_FM, g_scale = ops.relu2_matmul_grad_fp8(grad_y_MD, proj_DF, h_MF, grad_amax)
-        fc_scale, gy_scale = scale_of(fc_DF), scale_of(grad_y_MD)
-        gy8_DM = to_e4m3(grad_y_MD, gy_scale).t().contiguous()
+        gy8_MD, proj8_FD, gy_scale, proj_scale = grad_operands(grad_y_MD, proj_DF)
+        g8_MF, g8_FM, g_scale = ops.relu2_matmul_grad_fp8(gy8_MD, proj8_FD, gy_scale * proj_scale, h_MF, grad_amax)
+        fc_scale = scale_of(fc_DF)
         # fp8_mm's second operand is read (K, N) column-major: the (N, K) row-major copies, transposed
         grad_x_MD = fp8_mm(g8_MF, to_e4m3(fc_DF, fc_scale).t(), g_scale, fc_scale, grad_y_MD.dtype)
         grad_fc_DF = fp8_mm(x8_DM, g8_FM.t(), x_scale, g_scale, fc_DF.dtype)
-        grad_proj_DF = fp8_mm(gy8_DM, h8_FM.t(), gy_scale, h_scale, proj_DF.dtype)
+        grad_proj_DF = fp8_mm(gy8_MD.t().contiguous(), h8_FM.t(), gy_scale, h_scale, proj_DF.dtype)
         return grad_x_MD, grad_fc_DF, grad_proj_DF, grad_y_MD, None, None
 
 
@@ -408,7 +410,7 @@ class MLP(nn.Module):
         self.fc_w = nn.Parameter(torch.empty(dim, hidden_dim))
         self.proj_w = nn.Parameter(torch.empty(dim, hidden_dim))
         self.fp8 = False  # the forward's products in FP8 (ReLU2MLP); set by runtime.dist.use_device_paths
-        self.fp8_backward = False  # with fp8, the backward's products after the first too; likewise set
+        self.fp8_backward = False  # with fp8, the backward's products too; likewise set
         # the absolute maximum of the last gradient of relu(pre)^2's input, for the next one's e4m3 scale (ReLU2MLP).
         # Saved with the weights, so that a resumed run continues with the scales it had (with several processes the
         # ranks agree on it each step: runtime/dist.py's agree_on_scales); train_gpt2's warm-up restores the initial 0

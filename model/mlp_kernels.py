@@ -55,18 +55,19 @@ the bf16 kernel's 0.405 (bench/results/mlp_fp8_1xH200.json, before it wrote the 
 --fp8_forward (these two and attention's qkv) took 27.0 ms less than bf16 once the second product joined, 19.5-19.8
 before (bench/results/README.md, pairs on one machine each).
 
-With --fp8_backward (on by default) two more forms write e4m3 copies for the backward's FP8 products (ReLU2MLP):
-the forward's first product also writes h's copy transposed (relu2_matmul_fp8_t), and the backward's first product
+With --fp8_backward (on by default) two more forms write e4m3 copies for the backward's FP8 products (ReLU2MLP): the
+forward's first product also writes h's copy transposed (relu2_matmul_fp8_t), and the backward's first product
 writes the pre-activation's gradient only as e4m3 copies, row-major and transposed, at a delayed scale, recording
-its amax (relu2_matmul_grad_fp8). Both keep the ring's 5 stages (FP8_CONFIG, CONFIG): the transposed copy is
-stored from the accumulator's layout through a transposed view of its staging tile. Measured alone
+its amax (relu2_matmul_grad_fp8); it reads e4m3 copies of the output's gradient and of W2, as the forward's products
+do theirs. Both keep the ring's 5 stages (FP8_CONFIG): the transposed copy is stored from the accumulator's layout
+through a transposed view of its staging tile. Measured alone
 (bench/results/mlp_fp8_backward_kernels_1xH200_2f3283f.json, CUDA graphs, idle GPU): relu2_matmul_fp8_t 0.350 ms
-against relu2_matmul_fp8's 0.281, relu2_matmul_grad_fp8 0.495 against the bf16 relu2_matmul_grad's 0.399. Two
-forms measured slower on one machine (bench/results/README.md, 2f3283f's section): an atomic max of the amax at every
-tile (the kernel writing the row-major copy and the amax took 0.578 ms, against 0.391 when each program keeps its
-rows' maxima across its tiles and adds one atomic at its end), and a transposed copy whose layout changes in
-registers before its store, which passes through shared memory and so cost a stage of the ring
-(relu2_matmul_grad_fp8 0.544 ms, against 0.464 this way).
+against relu2_matmul_fp8's 0.281, relu2_matmul_grad_fp8 (then on bf16 operands) 0.495 against the bf16
+relu2_matmul_grad's 0.399. Two forms measured slower on one machine (bench/results/README.md, 2f3283f's section): an
+atomic max of the amax at every tile (the kernel writing the row-major copy and the amax took 0.578 ms, against
+0.391 when each program keeps its rows' maxima across its tiles and adds one atomic at its end), and a transposed
+copy whose layout changes in registers before its store, which passes through shared memory and so cost a stage of
+the ring (relu2_matmul_grad_fp8 0.544 ms, against 0.464 this way).
 
 These are torch.library custom ops: torch.compile cannot trace Gluon kernels (its user-kernel support
 rewrites Triton source), so inductor calls them as opaque kernels. They run on compute capability 9 only (the
@@ -429,23 +430,24 @@ def _(x8_MK: Tensor, w8_NK: Tensor, scale: Tensor, h_inv_scale: Tensor) -> tuple
 
 
 @torch.library.custom_op("speedrun::relu2_matmul_grad_fp8", mutates_args=("amax",))
-def relu2_matmul_grad_fp8(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor,
+def relu2_matmul_grad_fp8(grad_y8_MK: Tensor, w8_NK: Tensor, scale: Tensor, h_MN: Tensor,
                           amax: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """relu2_matmul_grad's gradient written only as e4m3 copies, (M, N) and transposed (N, M), at the scale of amax
-    (model.fp8.delayed_scale), which the kernel then sets to this gradient's absolute maximum: (g8, g8 transposed,
-    scale). model.layers.relu2_matmul_grad_fp8."""
-    _check_h(grad_y_MK, w_KN, h_MN)
-    scale = delayed_scale(amax)
+    """relu2_matmul_grad of e4m3 operands, w8 stored (N, K), their scales' product `scale`, written only as e4m3
+    copies, (M, N) and transposed (N, M), at the scale of amax (model.fp8.delayed_scale), which the kernel then sets
+    to this gradient's absolute maximum: (g8, g8 transposed, the copies' scale). model.layers.relu2_matmul_grad_fp8."""
+    torch._check(h_MN.shape == (grad_y8_MK.size(0), w8_NK.size(0)) and h_MN.dtype == torch.bfloat16
+                 and h_MN.is_contiguous(), lambda: "h must be the forward's contiguous bf16 (M, N) output")
+    g_scale = delayed_scale(amax)
     amax.zero_()  # after the scale is read: the kernel's programs raise it from 0
     g8_MN = h_MN.new_empty(h_MN.shape, dtype=torch.float8_e4m3fn)
     g8_NM = h_MN.new_empty(h_MN.shape[::-1], dtype=torch.float8_e4m3fn)
-    launch(grad_y_MK, w_KN, h_MN, RELU2_GRAD, CONFIG, out8_MN=g8_MN, out8_inv_scale=1 / scale,
+    launch(grad_y8_MK, w8_NK, h_MN, RELU2_GRAD, FP8_CONFIG, scale, out8_MN=g8_MN, out8_inv_scale=1 / g_scale,
            out8_NM=g8_NM, amax=amax, writes_out=False)
-    return g8_MN, g8_NM, scale
+    return g8_MN, g8_NM, g_scale
 
 
 @relu2_matmul_grad_fp8.register_fake
-def _(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor, amax: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _(grad_y8_MK: Tensor, w8_NK: Tensor, scale: Tensor, h_MN: Tensor, amax: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return (h_MN.new_empty(h_MN.shape, dtype=torch.float8_e4m3fn),
             h_MN.new_empty(h_MN.shape[::-1], dtype=torch.float8_e4m3fn), amax.new_empty(()))
 
