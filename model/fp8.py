@@ -23,7 +23,9 @@ Gluon kernels write h's and the pre-activation gradient's copies in both layouts
 1.0174 and 1.0217 at 119.2-119.3 s (seeds 0 and 1, a faster machine), against 1.0159 and 1.0182 for the bf16 backward
 (seed 0 at 153346e, seed 1 at dbd7665), all below the target 1.0253. The first, the widest, reads copies of the
 output's gradient and of W2 made by a pass of their own (grad_operands): one (M, D) tensor, a quarter of the hidden's
-size. It took 8.14 ms off the step in a same-machine pair (bench/results/README.md, section f00c0b4).
+size. It took 8.14 and 13.12 ms off the step in same-machine pairs on two machines (bench/results/README.md,
+sections f00c0b4 and 8c60c3c). The short speedrun's seeds 0-3 reached 1.0159, 1.0221, 1.0146 and 1.0176 with it,
+against 1.0181, 1.0175, 1.0145 and 1.0175 without it, the largest 0.0032 below the target.
 
 --fp8_backward also runs the attention's q, k, v projection's input gradient in FP8 (FP8QKV in model/layers.py):
 QKVPrep's backward kernel writes the projection's output gradient in bf16 and also as an e4m3 copy at a delayed scale.
