@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from bench.mlp_kernels import D, M
-from bench.timing import failure, graph_ms
+from bench.timing import graph_ms_each
 from model.fp8 import E4M3_MAX, delayed_scale, scale_of, to_e4m3
 
 # (BLOCK_M tokens, BLOCK_D features, warps): the transposed store writes BLOCK_M bytes per row
@@ -92,13 +92,7 @@ def times(grad_y: torch.Tensor) -> dict:
                                                                                        None, c)
         calls[f"kernel {config}: delayed scale, amax recorded"] = lambda c=config: copies(
             grad_y, delayed_scale(history), history, c)
-    result = {}
-    for name, call in calls.items():
-        try:
-            result[name] = graph_ms(call)
-        except Exception as e:
-            result[name] = failure(e)
-    return result
+    return graph_ms_each(calls)
 
 
 def main():

@@ -39,7 +39,7 @@ from bench.fp8_backward import rel_rms
 from bench.mlp_kernels import D, M
 from bench.mlp_kernels import HIDDEN as FF
 from bench.power import REST_S, run_kind
-from bench.timing import failure, graph_ms
+from bench.timing import failure, graph_ms, graph_ms_each
 from model import layers, mlp_kernels
 from model.fp8 import E4M3_MAX, delayed_scale, grad_operands, normed_operands, relu2_scale
 
@@ -122,13 +122,7 @@ def kernel_times(p: dict) -> dict:
              "the same kernel writing g8 and amax": lambda: g8_only(amax=amax),
              "the same kernel writing g8 and g8 transposed": lambda: g8_only(out8_NM=g8t),
              "g8 only, then g8.t().contiguous()": lambda: g8_only().t().contiguous()}
-    times = {}
-    for name, call in calls.items():
-        try:
-            times[name] = graph_ms(call)
-        except Exception as e:
-            times[name] = failure(e)
-    return times
+    return graph_ms_each(calls)
 
 
 def mlp(p: dict, fp8: bool, amax: torch.Tensor | None):

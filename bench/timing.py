@@ -33,6 +33,17 @@ def failure(e: Exception) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[-300:]}"
 
 
+def graph_ms_each(calls: dict) -> dict:
+    """graph_ms of each named call, or its failure: one configuration that does not compile ends no sweep."""
+    times = {}
+    for name, call in calls.items():
+        try:
+            times[name] = graph_ms(call)
+        except Exception as e:
+            times[name] = failure(e)
+    return times
+
+
 def cuda_bf16_randn(*shape) -> torch.Tensor:
     """Standard normal bf16 on the GPU from the default generator (the kernel benches seed it first)."""
     return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
