@@ -78,19 +78,24 @@ def worker_rows(profile: dict, frames: list[dict]) -> tuple[float, float]:
     return busy, longest
 
 
+def read_recording(path: str, ap: argparse.ArgumentParser) -> tuple[list[dict], list[dict]]:
+    """(frames, profiles: one per thread) of a py-spy recording; a file of another kind ends in ap.error."""
+    try:
+        data = json.loads(Path(path).read_bytes())
+        return data["shared"]["frames"], data["profiles"]
+    except OSError as error:
+        ap.error(f"{path}: {error.strerror}")
+    except (ValueError, KeyError, TypeError):  # not JSON, or JSON of another kind (a Chrome trace)
+        ap.error(f"{path} is not a py-spy recording in speedscope format (-f speedscope)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("speedscope")
     ap.add_argument("--repo", default=f"{Path(__file__).resolve().parents[1]}/",
                     help="the checkout's path on the machine that recorded it (default: this checkout's)")
     args = ap.parse_args()
-    try:
-        data = json.loads(Path(args.speedscope).read_bytes())
-        frames, profiles = data["shared"]["frames"], data["profiles"]
-    except OSError as error:
-        ap.error(f"{args.speedscope}: {error.strerror}")
-    except (ValueError, KeyError, TypeError):  # not JSON, or JSON of another kind (a Chrome trace)
-        ap.error(f"{args.speedscope} is not a py-spy recording in speedscope format (-f speedscope)")
+    frames, profiles = read_recording(args.speedscope, ap)
     # the training process is the one whose main thread runs train_gpt2.py
     trainer = next((p["name"].split()[1] for p in profiles
                     if any(frames[i]["name"] == "train" for s in p["samples"][:2000] for i in s)), None)

@@ -341,6 +341,97 @@ def test_cold_profile_splits_compile_seconds_by_caller():
         ("_compile", "MuonAdam.step (optim/optimizer.py:146) in train_step (train_gpt2.py:421)"): 2.0}
 
 
+def test_host_profile_places_each_sample_in_our_code():
+    """Each sample's seconds go to the innermost frame of our code and the frame below it (none: native code), and
+    to each of our functions on its stack once; a virtual environment inside the checkout is not our code, and a
+    sample without our code counts only as sampled."""
+    from bench import host_profile
+
+    frames = [{"name": "train", "file": "/r/train_gpt2.py", "line": 296},
+              {"name": "train_step", "file": "/r/train_gpt2.py", "line": 198},
+              {"name": "backward", "file": "/r/.venv/lib/python3.11/site-packages/torch/autograd/__init__.py",
+               "line": 9},
+              {"name": "launch", "file": "/r/model/mlp_kernels.py", "line": 340},
+              {"name": "JITFunction.run", "file": "/venv/lib/python3.11/site-packages/triton/runtime/jit.py",
+               "line": 5},
+              {"name": "ReLU2MLP.backward", "file": "/r/model/layers.py", "line": 394}]
+    profile = {"samples": [[0], [0, 1, 2], [5, 3, 4], [5, 3], [2], [0, 1, 2]],
+               "weights": [0.5, 0.25, 0.125, 1.0, 2.0, 0.25]}
+    sampled, where, inclusive = host_profile.thread_tables(profile, frames, "/r/")
+    assert sampled == 4.125
+    assert where == {("train (train_gpt2.py:296)", "none"): 0.5,
+                     ("train_step (train_gpt2.py:198)", "backward (torch/autograd/__init__.py:9)"): 0.5,
+                     ("launch (model/mlp_kernels.py:340)", "JITFunction.run (triton/runtime/jit.py:5)"): 0.125,
+                     ("launch (model/mlp_kernels.py:340)", "none"): 1.0}
+    assert inclusive == {"train (train_gpt2.py)": 1.0, "train_step (train_gpt2.py)": 0.5,
+                         "launch (model/mlp_kernels.py)": 1.125, "ReLU2MLP.backward (model/layers.py)": 1.125}
+
+
+def test_host_profile_counts_the_timed_steps_only():
+    """The window runs from the end of the main thread's first validate() to the start of its last, in seconds
+    before the recording's end, and applies to every thread counted back from the end: a thread that started late
+    (the autograd engine's) is placed by its last samples."""
+    from bench import host_profile
+
+    frames = [{"name": "train", "file": "/r/train_gpt2.py", "line": 1},
+              {"name": host_profile.VALIDATE, "file": "/r/train_gpt2.py", "line": 2},
+              {"name": "GPT.forward", "file": "/r/model/gpt.py", "line": 3},
+              {"name": "ReLU2MLP.backward", "file": "/r/model/layers.py", "line": 4}]
+    # 10 ticks of 0.5 s: warm-up, validate x2, steps x5, validate x1; then one tick of exit
+    main = {"samples": [[0, 2], [0, 1], [0, 1], [0, 2], [0, 2], [0, 2], [0, 2], [0, 2], [0, 1], [0]],
+            "weights": [0.5] * 10}
+    assert host_profile.timed_window(main, frames) == (3.5, 1.0)
+    # the autograd thread's 6 ticks are the main thread's last 6: 4 in the window, one idle (no Python frame)
+    autograd = {"samples": [[3], [3], [3], [], [3], []], "weights": [0.5] * 6}
+    sampled, where, inclusive = host_profile.thread_tables(autograd, frames, "/r/", (3.5, 1.0))
+    assert sampled == 2.0 and where == {("ReLU2MLP.backward (model/layers.py:4)", "none"): 1.5}
+    sampled, where, _ = host_profile.thread_tables(main, frames, "/r/", (3.5, 1.0))
+    assert sampled == 2.5 and where == {("GPT.forward (model/gpt.py:3)", "none"): 2.5}
+    with pytest.raises(ValueError, match="fewer than twice"):
+        host_profile.timed_window({"samples": main["samples"][:8], "weights": [0.5] * 8}, frames)
+
+
+def test_host_profile_reports_the_training_process_only(tmp_path, monkeypatch, capsys):
+    """A recording with --subprocesses holds bench.run's process too, whose frames are ours: only the threads of
+    the process that ran validate() are reported."""
+    from bench import host_profile
+
+    frames = [{"name": host_profile.VALIDATE, "file": "/r/train_gpt2.py", "line": 2},
+              {"name": "GPT.forward", "file": "/r/model/gpt.py", "line": 3},
+              {"name": "launch", "file": "/r/bench/run.py", "line": 4}]
+    profiles = [{"name": "Process 1 Thread 1", "samples": [[2]] * 5, "weights": [0.5] * 5},
+                {"name": "Process 2 Thread 2", "samples": [[0], [1], [1], [0]], "weights": [0.5] * 4},
+                {"name": "Process 2 Thread 3", "samples": [[1], [1]], "weights": [0.5] * 2}]
+    (tmp_path / "host.json").write_text(json.dumps({"shared": {"frames": frames}, "profiles": profiles}))
+    monkeypatch.setattr(sys, "argv", ["host_profile", str(tmp_path / "host.json"), "--repo", "/r/"])
+    host_profile.main()
+    out = capsys.readouterr().out
+    assert out.startswith("the timed steps: 1.00 s, from 1.50 to 0.50 s before the recording's end\n")
+    assert "Process 2 Thread 2: 1.00 s sampled" in out and "Process 2 Thread 3: 0.50 s sampled" in out
+    assert "Process 1" not in out and "bench/run.py" not in out
+
+
+def test_host_profile_names_what_it_reads(tmp_path, monkeypatch, capsys):
+    from bench import host_profile
+
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": []}))
+    frames = [{"name": "main", "file": "/elsewhere/x.py", "line": 1},
+              {"name": host_profile.VALIDATE, "file": "/r/train_gpt2.py", "line": 2}]
+    for file, samples in (("foreign.json", [[0]]), ("once.json", [[0], [1], [0]])):
+        recording = {"shared": {"frames": frames},
+                     "profiles": [{"name": "Thread 7", "samples": samples, "weights": [0.01] * len(samples)}]}
+        (tmp_path / file).write_text(json.dumps(recording))
+    for file, message in (("none.json", "none.json: No such file or directory"),
+                          ("trace.json", "trace.json is not a py-spy recording in speedscope format"),
+                          ("foreign.json", "ran train_gpt2's validate(): record the whole run"),
+                          ("once.json", "once.json: the main thread ran validate() fewer than twice")):
+        monkeypatch.setattr(sys, "argv", ["host_profile", str(tmp_path / file), "--repo", "/r/"])
+        with pytest.raises(SystemExit) as exit_info:
+            host_profile.main()
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and message in err, err
+
+
 def test_determinism_names_the_gradients_that_differ_between_repeats():
     """bench/determinism.py's comparison: a repeat's loss and each gradient against the first repeat's, bit for bit
     (a NaN where the first has one is equal; a NaN where it has a number is not)."""
