@@ -89,13 +89,19 @@ def read_recording(path: str, ap: argparse.ArgumentParser) -> tuple[list[dict], 
         ap.error(f"{path} is not a py-spy recording in speedscope format (-f speedscope)")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def recording_cli(doc: str) -> tuple[argparse.ArgumentParser, argparse.Namespace, list[dict], list[dict]]:
+    """The command line of the py-spy readers (a recording, --repo), parsed, and the recording's frames and
+    profiles."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("speedscope")
     ap.add_argument("--repo", default=f"{Path(__file__).resolve().parents[1]}/",
                     help="the checkout's path on the machine that recorded it (default: this checkout's)")
     args = ap.parse_args()
-    frames, profiles = read_recording(args.speedscope, ap)
+    return ap, args, *read_recording(args.speedscope, ap)
+
+
+def main():
+    ap, args, frames, profiles = recording_cli(__doc__)
     # the training process is the one whose main thread runs train_gpt2.py
     trainer = next((p["name"].split()[1] for p in profiles
                     if any(frames[i]["name"] == "train" for s in p["samples"][:2000] for i in s)), None)

@@ -21,11 +21,10 @@ frame below it ("none": no Python frame below, as in a GPU sync, which spins, or
 function of our code, inclusive. A thread's samples with no Python frame at all (idle) count in its seconds only.
 py-spy is not a dependency: its wheel holds one static binary (bench/cold_profile.py).
 """
-import argparse
 import collections
 from pathlib import Path
 
-from bench.cold_profile import read_recording
+from bench.cold_profile import recording_cli
 
 ROWS = 25
 VALIDATE = "train.<locals>.validate"  # train_gpt2.py's
@@ -90,12 +89,7 @@ def thread_tables(profile: dict, frames: list[dict], repo: str, window: tuple[fl
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("speedscope")
-    ap.add_argument("--repo", default=f"{Path(__file__).resolve().parents[1]}/",
-                    help="the checkout's path on the machine that recorded it (default: this checkout's)")
-    args = ap.parse_args()
-    frames, profiles = read_recording(args.speedscope, ap)
+    ap, args, frames, profiles = recording_cli(__doc__)
     main_thread = next((p for p in profiles if any(frames[i]["name"] == VALIDATE for s in p["samples"] for i in s)),
                        None)
     if main_thread is None:
