@@ -63,11 +63,13 @@ do theirs. Both keep the ring's 5 stages (FP8_CONFIG): the transposed copy is st
 through a transposed view of its staging tile. Measured alone
 (bench/results/mlp_fp8_backward_kernels_1xH200_2f3283f.json, CUDA graphs, idle GPU): relu2_matmul_fp8_t 0.350 ms
 against relu2_matmul_fp8's 0.281, relu2_matmul_grad_fp8 (then on bf16 operands) 0.495 against the bf16
-relu2_matmul_grad's 0.399. Two forms measured slower on one machine (bench/results/README.md, 2f3283f's section): an
-atomic max of the amax at every tile (the kernel writing the row-major copy and the amax took 0.578 ms, against
-0.391 when each program keeps its rows' maxima across its tiles and adds one atomic at its end), and a transposed
-copy whose layout changes in registers before its store, which passes through shared memory and so cost a stage of
-the ring (relu2_matmul_grad_fp8 0.544 ms, against 0.464 this way).
+relu2_matmul_grad's 0.399; on e4m3 operands 0.349 and 0.365 against 0.404 and 0.402, on two machines
+(mlp_fp8_backward_kernels_1xH200_80b43ce.json, _8c60c3c.json). Two forms measured slower on one machine
+(bench/results/README.md, 2f3283f's section): an atomic max of the amax at every tile (the kernel writing the
+row-major copy and the amax took 0.578 ms, against 0.391 when each program keeps its rows' maxima across its tiles
+and adds one atomic at its end), and a transposed copy whose layout changes in registers before its store, which
+passes through shared memory and so cost a stage of the ring (relu2_matmul_grad_fp8 0.544 ms, against 0.464 this
+way).
 
 These are torch.library custom ops: torch.compile cannot trace Gluon kernels (its user-kernel support
 rewrites Triton source), so inductor calls them as opaque kernels. They run on compute capability 9 only (the
