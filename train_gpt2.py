@@ -102,6 +102,9 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
         keep_freed_memory()  # as run.sh's GLIBC_TUNABLES do, for a run started without it: twice as fast
     if cfg.resume:
         check_resume(cfg, argv)
+    if cfg.profile_step and not cfg.profile_cpu and not cuda:
+        raise UserError("--profile_cpu=0 traces the GPU's work alone, and this run has no GPU: drop it (a CPU run's "
+                        "trace is of its ops)")
     if cfg.hellaswag:  # its data file now, not after the training that a missing file would waste
         from evals.hellaswag import check_available
         check_available(cfg.hellaswag_file or None)
@@ -281,7 +284,7 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
             break
 
         if step + 1 == cfg.profile_step:
-            loss_sum = profiled(train_step, step, run_dir if rt.is_master else None)
+            loss_sum = profiled(train_step, step, run_dir if rt.is_master else None, cfg.profile_cpu)
         else:
             loss_sum = train_step(step)
         done = step + 1

@@ -88,6 +88,9 @@ class TrainConfig:
     # (bench/results/README.md)
     warmup_steps: int = 3  # untimed steps that compile and warm up, then the initial state is restored
     profile_step: int = 0  # if > 0, trace this step with torch.profiler: kernel table + trace in the run folder
+    # Tracing the host's ops too gives each kernel the code that launched it, but slows the host: a step of 8c60c3c
+    # took 617 ms traced against 544 (bench/results/README.md), so its GPU idle time is the profiler's, not the run's
+    profile_cpu: bool = True  # with --profile_step on a GPU: 0 traces the GPU's work alone, for its idle time
     device: str = "auto"  # auto, cuda or cpu
     hellaswag: bool = False  # run the HellaSwag evaluation at the end of training
     hellaswag_file: str = ""  # local hellaswag_val.jsonl for machines without network
@@ -130,7 +133,7 @@ PRESETS: dict[str, dict] = {
 # device_batch_size only regroups the same sequences into micro-steps (the loader's position is global), as a
 # different number of GPUs does: the advice for memory errors, a smaller device batch, must not block a resume.
 RESUME_MAY_CHANGE = {"resume", "log_dir", "checkpoint_every", "val_loss_every", "log_every", "compile", "fp8_head",
-                     "fp8_forward", "fp8_backward",
+                     "fp8_forward", "fp8_backward", "profile_step", "profile_cpu",
                      "warmup_steps", "device", "hellaswag", "hellaswag_file", "val_files", "val_tokens", "val_context",
                      "preset", "device_batch_size"}
 BLOCK_SIZE = 128  # FlexAttention's tile: packed sequences are cut into blocks of this many tokens

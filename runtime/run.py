@@ -60,11 +60,13 @@ def all_finite(tensors) -> bool:
     return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
-def profiled(fn, step: int, out_dir: Path | None):
+def profiled(fn, step: int, out_dir: Path | None, cpu: bool = True):
     """Run fn(step) under torch.profiler; rank 0 writes the kernel table and a Chrome trace, and logs how much of
-    the step the GPU spent in kernels (the rest is the GPU waiting for the CPU: launches, syncs, Python)."""
+    the step the GPU spent in kernels (the rest is the GPU waiting for the CPU: launches, syncs, Python). Without
+    cpu (on a GPU) the host's ops are not traced: no launch sites, and the host is slowed only by the GPU's tracing."""
     cuda = torch.cuda.is_available()
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    activities = ([torch.profiler.ProfilerActivity.CPU] if cpu else []) + (
+        [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
         t0 = time.perf_counter()
         result = fn(step)
@@ -82,7 +84,7 @@ def profiled(fn, step: int, out_dir: Path | None):
             table = (f"step {step + 1}: {wall_ms:.1f} ms wall under the profiler; GPU kernels busy {busy_ms:.1f} ms "
                      f"of the {span_ms:.1f} ms from the first kernel to the last ({busy_ms / span_ms:.0%})\n" + table
                      + "\n\nGPU time by the code that launched it:\n"
-                     + launch_sites_table(events))
+                     + (launch_sites_table(events) if cpu else "not traced (--profile_cpu=0)\n"))
         (out_dir / f"profile_step{step + 1}.txt").write_text(table)
     return result
 

@@ -184,9 +184,12 @@ EARLY = [
      ["vocab.bin: holds token id 60000, but the GPT-2 vocabulary has 50257 ids", "python -m data.prepare"]),
     ("12 unknown flag via run.sh", ["--num_iteration=5"],
      ["unknown flag --num_iteration; did you mean --num_iterations?"]),
+    ("26 --profile_cpu=0 without a GPU", ["--profile_step=1", "--profile_cpu=0"],
+     ["--profile_cpu=0 traces the GPU's work alone, and this run has no GPU: drop it"]),
 ]
 EARLY_IDS = [case for case, _, _ in EARLY]
-NEEDS_NO_GPU = {"14 --device cuda without a GPU"} | {case for case in EARLY_IDS if "run.sh" in case}
+NEEDS_NO_GPU = ({"14 --device cuda without a GPU", "26 --profile_cpu=0 without a GPU"}
+                | {case for case in EARLY_IDS if "run.sh" in case})
 
 
 class Jobs:
@@ -503,6 +506,12 @@ def test_18_resume_with_a_config_that_changes_the_math(base_run, corpus, tmp_pat
                                  "pass the same values")
     assert not (tmp_path / "logs").exists()
     assert snapshot(base_run) == before
+
+
+def test_18e_resume_may_trace_another_step(base_run, corpus, tmp_path):
+    """Tracing a step changes no math: a resumed run may profile a step, on the GPU without the host's ops."""
+    argv = train_args(corpus, tmp_path, *BASE, f"--resume={base_run}", "--profile_step=3", "--profile_cpu=0")
+    train_gpt2.check_resume(config.parse_config(config.TrainConfig, argv, config.PRESETS), argv)
 
 
 def test_18c_resume_without_the_preset_names_it(base_run, corpus, tmp_path):

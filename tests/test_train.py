@@ -2,6 +2,7 @@
 a resumed run is bitwise the uninterrupted one, the warm-up leaves no trace, and the first losses are pinned."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -158,6 +159,19 @@ def test_profile_step_writes_table_and_trace(tmp_path):
     run_dir, _ = train(tmp_path, *TINY, "--num_iterations=3", "--val_loss_every=0", "--profile_step=2")
     assert "Self CPU" in (run_dir / "profile_step2.txt").read_text()
     assert json.loads((run_dir / "profile_step2.json").read_text())["traceEvents"]
+
+
+@pytest.mark.gpu
+def test_profile_step_on_the_gpu_alone(tmp_path):
+    """--profile_cpu=0 traces the GPU's work alone: the table holds kernels and the step's busy share, no host ops
+    and no launch sites."""
+    run_dir, _ = train(tmp_path, *TINY, "--device=cuda", "--num_iterations=3", "--val_loss_every=0",
+                       "--profile_step=2", "--profile_cpu=0")
+    table = (run_dir / "profile_step2.txt").read_text()
+    assert re.match(r"step 2: [\d.]+ ms wall under the profiler; GPU kernels busy [\d.]+ ms", table), table[:200]
+    assert "GPU time by the code that launched it:\nnot traced (--profile_cpu=0)" in table
+    events = json.loads((run_dir / "profile_step2.json").read_text())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events) and not any(e.get("cat") == "cpu_op" for e in events)
 
 
 def test_kernel_busy_time_merges_overlaps():
