@@ -370,16 +370,17 @@ def _(x_MK: Tensor, w_KN: Tensor) -> Tensor:
     return x_MK.new_empty((x_MK.size(0), w_KN.size(1)))
 
 
-def _check_h(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor) -> None:
-    """The backward kernels' h: the forward's contiguous (M, N) output, in grad_y's dtype."""
-    torch._check(h_MN.shape == (grad_y_MK.size(0), w_KN.size(1)) and h_MN.dtype == grad_y_MK.dtype
-                 and h_MN.is_contiguous(), lambda: "h must be the forward's contiguous (M, N) output")
+def _check_h(h_MN: Tensor, M: int, N: int, dtype: torch.dtype) -> None:
+    """The backward kernels' h: the forward's contiguous (M, N) output, in dtype (bf16 for the FP8 kernel, whose
+    operands are e4m3; grad_y's otherwise)."""
+    torch._check(h_MN.shape == (M, N) and h_MN.dtype == dtype and h_MN.is_contiguous(),
+                 lambda: f"h must be the forward's contiguous {dtype} (M, N) = ({M}, {N}) output")
 
 
 @torch.library.custom_op("speedrun::relu2_matmul_grad", mutates_args=())
 def relu2_matmul_grad(grad_y_MK: Tensor, w_KN: Tensor, h_MN: Tensor) -> Tensor:
     """The pre-activation's gradient (grad_y @ w) * 2 sqrt(h): model.layers.relu2_matmul_grad."""
-    _check_h(grad_y_MK, w_KN, h_MN)
+    _check_h(h_MN, grad_y_MK.size(0), w_KN.size(1), grad_y_MK.dtype)
     return launch(grad_y_MK, w_KN, h_MN, RELU2_GRAD)
 
 
@@ -437,8 +438,7 @@ def relu2_matmul_grad_fp8(grad_y8_MK: Tensor, w8_NK: Tensor, scale: Tensor, h_MN
     """relu2_matmul_grad of e4m3 operands, w8 stored (N, K), their scales' product `scale`, written only as e4m3
     copies, (M, N) and transposed (N, M), at the scale of amax (model.fp8.delayed_scale), which the kernel then sets
     to this gradient's absolute maximum: (g8, g8 transposed, the copies' scale). model.layers.relu2_matmul_grad_fp8."""
-    torch._check(h_MN.shape == (grad_y8_MK.size(0), w8_NK.size(0)) and h_MN.dtype == torch.bfloat16
-                 and h_MN.is_contiguous(), lambda: "h must be the forward's contiguous bf16 (M, N) output")
+    _check_h(h_MN, grad_y8_MK.size(0), w8_NK.size(0), torch.bfloat16)
     g_scale = delayed_scale(amax)
     amax.zero_()  # after the scale is read: the kernel's programs raise it from 0
     g8_MN = h_MN.new_empty(h_MN.shape, dtype=torch.float8_e4m3fn)
