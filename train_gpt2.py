@@ -34,7 +34,8 @@ from runtime.config import (BLOCK_SIZE, PRESETS, RESUME_MAY_CHANGE, TrainConfig,
 from runtime.errors import UserError, exit_on_user_error, tell_torchrun
 from runtime.logger import RunLog
 from runtime.memory import keep_freed_memory
-from runtime.run import StopRequest, all_finite, check_disk_space, make_run_dir, profiled, use_static_launcher
+from runtime.run import (LossRecord, StopRequest, TrainClock, all_finite, check_disk_space, make_run_dir, profiled,
+                         use_static_launcher)
 
 DIVERGED_EXIT = 3  # exit status when the loss or the weights become inf/nan (2 is a user error)
 
@@ -245,7 +246,7 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
         log.print(f"resumed from {checkpoint.resolve(cfg.resume)} at step {start_step}")
         del state
 
-    def save(step: int) -> Path | None:
+    def save(step: int, train_time_ms: float) -> Path | None:
         if not rt.is_master:
             return None
         path = checkpoint.checkpoint_path(run_dir, step)
@@ -267,19 +268,18 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
     last_checkpoint = cfg.resume or None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    clock = TrainClock(cuda, train_time_ms)
+    clock.start()
+    pending = None  # the last logged step's record, read once the next step is queued (runtime.run.LossRecord)
     for step in range(start_step, cfg.num_iterations + 1):
         last = step == cfg.num_iterations
         if last or (cfg.val_loss_every and step % cfg.val_loss_every == 0) or step == start_step == 0:
-            if cuda:
-                torch.cuda.synchronize()
+            train_time_ms = clock.stop()
             t_val = time.perf_counter()
-            train_time_ms += 1e3 * (t_val - t0)
             val_loss = validate(step)  # ends in .item(): the GPU's work is done when it returns
             log.step(step, cfg.num_iterations, train_time_ms, val_loss=val_loss,
                      val_time_s=time.perf_counter() - t_val)
-            t0 = time.perf_counter()
+            clock.start()
         if last:
             break
 
@@ -290,44 +290,43 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
         done = step + 1
 
         checkpoint_due = cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.num_iterations)
-        if done % cfg.log_every == 0 or done == cfg.num_iterations or checkpoint_due:
+        # a step that validates, saves or ends the run reads its own record at once, so its line comes first
+        at_once = (checkpoint_due or done == cfg.num_iterations
+                   or bool(cfg.val_loss_every and done % cfg.val_loss_every == 0))
+        records = [pending] if pending else []
+        pending = None
+        if done % cfg.log_every == 0 or at_once:
             # One collective carries the loss and any stop request, so every rank decides alike. The loss is
             # also checked before every checkpoint, so a checkpoint never holds a diverged model.
-            flags = torch.stack([loss_sum / derived.grad_accum, torch.tensor(float(stop.signal != 0), device=device)])
-            if rt.world_size > 1:
-                torch.distributed.all_reduce(flags)
-            train_loss, stop_votes = (flags / torch.tensor([rt.world_size, 1.0], device=device)).tolist()
-            if cuda:
-                torch.cuda.synchronize()
-            elapsed = train_time_ms + 1e3 * (time.perf_counter() - t0)
+            record = LossRecord(done, loss_sum / derived.grad_accum, stop.signal != 0, rt.world_size, clock)
+            records, pending = (records + [record], None) if at_once else (records, record)
+        for record in records:
+            train_loss, stop_votes, elapsed = record.read()
             # The loss lags the update by one step: an update that overflowed shows only in the weights.
             saving = cfg.checkpoint_every and (checkpoint_due or stop_votes)
-            diverged = (f"train loss is {train_loss}" if not math.isfinite(train_loss) else
-                        "the weights hold inf/nan" if saving and not all_finite(model.parameters()) else "")
+            diverged = (f"train loss is {train_loss} at step {record.step}" if not math.isfinite(train_loss) else
+                        f"the weights hold inf/nan at step {done}" if saving and not all_finite(model.parameters())
+                        else "")
             if diverged:
                 where = (f"the last good checkpoint is {last_checkpoint} (--resume it if a hardware fault caused "
                          f"this)" if last_checkpoint else "no checkpoint was written")
-                message = (f"error: {diverged} at step {done}; stopping, {where}. Restart with lower learning "
+                message = (f"error: {diverged}; stopping, {where}. Restart with lower learning "
                            f"rates (--lr_hidden, --lr_embed, --lr_head, --lr_scalar)")
                 log.print(message)
                 tell_torchrun(message)  # every rank: torchrun's summary shows the first to exit
                 log.close()
                 return DIVERGED_EXIT
-            log.step(done, cfg.num_iterations, elapsed, train_loss=train_loss)
-            if stop_votes:
-                train_time_ms = elapsed
-                path = save(done) if cfg.checkpoint_every else None
+            log.step(record.step, cfg.num_iterations, elapsed, train_loss=train_loss)
+            if stop_votes:  # read one step late, perhaps: the checkpoint holds every step run (done)
+                path = save(done, clock.stop()) if cfg.checkpoint_every else None
                 log.print(f"stopped by a signal after step {done}" +
                           (f"; resume with --resume {path}" if path else " (no checkpoint: --checkpoint_every 0)"))
                 log.close()
                 return 0
 
         if checkpoint_due:
-            if cuda:
-                torch.cuda.synchronize()
-            train_time_ms += 1e3 * (time.perf_counter() - t0)
-            last_checkpoint = save(done) or last_checkpoint
-            t0 = time.perf_counter()
+            last_checkpoint = save(done, clock.stop()) or last_checkpoint
+            clock.start()
 
     # ----------------------------------------------------------------------------------------------
     # 8. the end: optional HellaSwag, memory

@@ -9,13 +9,14 @@ Why: a profiled step of 8c60c3c took 617 ms, with its kernels busy 509.5 ms, whe
 (bench/results/README.md, section 8c60c3c): the profiler's host overhead lengthened the step, so the host is near the
 step's critical path. How long the GPU idles in an unprofiled step is unknown. py-spy samples the host from outside,
 at a cost to the step that was small at -r 50 (4bf3998's section: 601.92 ms/step under it, no pair). bench.run
-throughput logs every step, and each log line syncs: the main thread's seconds there are the GPU's lead over the
-host at the step's end; near zero, the host limits the step.
+throughput logs every step, and the main thread reads each step's loss once the next step is queued
+(runtime.run.LossRecord.read): its seconds there are the GPU's lead over the host; near zero, the host limits the
+step.
 
 Only the timed steps count: from the end of the main thread's first validation (step 0's) to the start of its last
-(after the last step; bench.run throughput validates at these two only). With --idle, py-spy samples every thread at every tick, so a thread's samples, counted back
-from the end of the recording, give their time, and the same window applies to the threads that live to the end (the
-autograd engine's device thread, which runs the backward on a GPU). For each thread with any frame of our code in
+(after the last step; bench.run throughput validates at these two only). With --idle, py-spy samples every thread at
+every tick, so a thread's samples, counted back from the end of the recording, give their time, and the same window
+applies to the threads that live to the end (the autograd engine's device thread, which runs the backward on a GPU). For each thread with any frame of our code in
 the window: its seconds there, then two tables. By where each sample is: the innermost frame of our code and the
 frame below it ("none": no Python frame below, as in a GPU sync, which spins, or a kernel launch's C half). By each
 function of our code, inclusive. A thread's samples with no Python frame at all (idle) count in its seconds only.

@@ -76,7 +76,7 @@ class TrainConfig:
     long_window_layers: str = "auto"  # long-window layers (others: half); auto = every 4th from each end: 0,4,7,11
     # run
     val_loss_every: int = 125  # steps between validations (0 = only at the start and the end)
-    log_every: int = 1  # steps between train-loss lines; each line syncs the GPU once
+    log_every: int = 1  # steps between train-loss lines (each read a step late: the GPU never waits for it)
     checkpoint_every: int = 0  # steps between checkpoints (0 = none)
     resume: str = ""  # checkpoint file, or run folder, to continue from
     log_dir: str = "logs"  # each run writes log.txt, metrics.jsonl and checkpoints into a new folder here
@@ -112,7 +112,7 @@ PRESETS: dict[str, dict] = {
     # gave 1.018-1.023 in four seeds at 127.8-128.1 s on a 1,665 MHz machine. With both MLP products in FP8 (c9bd1dd)
     # 540 steps gave 1.0184 and 1.0266 (seeds 0 and 1) in 121.9 s; 560 steps gave 1.0157 (seed 1) in 124.4 s on a
     # 1,725 MHz machine, so the preset spends 2.5 s on margin (bench/results/README.md, one run: more seeds wanted).
-    # Every run there logged every 20th step: each logged step syncs the GPU once.
+    # Every run there logged every 20th step; until the lagged log (section "lagged log") each such step synced.
     "short": dict(batch_size=3, num_iterations=560, cooldown_frac=0.9, momentum_warmup_steps=-1, val_loss_every=0,
                   log_every=20, muon_method="polar_express"),
     # The larger shapes keep every block complete (no_attention_layers="auto" cuts layer 7 at 12 layers only).

@@ -205,3 +205,66 @@ class StopRequest:
 
     def _handle(self, signum, frame):
         self.signal = signum
+
+
+class TrainClock:
+    """Train time in ms. It runs from start() to stop(), which both sync the GPU. A mark() taken in between reads the
+    time at which the GPU reached that point of its queue, without draining the queue: a CUDA event timed from one
+    queued at start() (the GPU is idle then, so that one completes at once). Without a GPU, whose work is
+    synchronous, a mark is the time it was taken."""
+
+    def __init__(self, cuda: bool, ms: float = 0.0):
+        self.cuda, self.ms = cuda, ms
+
+    def start(self) -> None:
+        self._sync()
+        self.t0 = time.perf_counter()
+        if self.cuda:
+            self.origin = torch.cuda.Event(enable_timing=True)
+            self.origin.record()
+
+    def stop(self) -> float:
+        self._sync()
+        self.ms += 1e3 * (time.perf_counter() - self.t0)
+        return self.ms
+
+    def mark(self):
+        """A function that returns the train time at this point of the GPU's queue, waiting until the GPU is there."""
+        base = self.ms
+        if not self.cuda:
+            at = 1e3 * (time.perf_counter() - self.t0)
+            return lambda: base + at
+        origin, event = self.origin, torch.cuda.Event(enable_timing=True)
+        event.record()
+
+        def read() -> float:
+            event.synchronize()
+            return base + origin.elapsed_time(event)
+        return read
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+class LossRecord:
+    """A logged step's train loss and the ranks' stop votes, summed over the ranks by one collective (so every rank
+    decides alike) and copied to the host without waiting. The loop reads a record after queueing the next step,
+    so the GPU's queue never drains between steps: at 8c60c3c, logging every step made the step 7-10 ms longer than
+    logging every 20th (bench/results/README.md, section "lagged log"). Nothing here syncs: a tensor made from a
+    Python number on the GPU would (a pageable copy), torch.full does not."""
+
+    def __init__(self, step: int, loss: torch.Tensor, stop: bool, world_size: int, clock: TrainClock):
+        flags = torch.stack([loss.float(), torch.full((), float(stop), device=loss.device)])
+        if world_size > 1:
+            torch.distributed.all_reduce(flags)
+        self.step, self.world_size = step, world_size
+        self.flags = torch.empty(2, pin_memory=flags.is_cuda)  # pinned: the copy is queued, not waited for
+        self.flags.copy_(flags, non_blocking=True)
+        self.time = clock.mark()  # queued after the copy: once the GPU is there, the copy is done
+
+    def read(self) -> tuple[float, bool, float]:
+        """(the ranks' mean train loss, whether any rank asked to stop, train time at the step's end in ms)."""
+        ms = self.time()
+        loss, votes = self.flags.tolist()
+        return loss / self.world_size, votes > 0, ms

@@ -142,6 +142,54 @@ def test_resume_on_the_gpu_continues_the_run(tmp_path):
         assert [b[s] for s in sorted(b)] == pytest.approx([a[s] for s in sorted(b)], rel=1e-3)
 
 
+def test_lagged_log_lines_keep_their_order(tmp_path):
+    """A step's train-loss line is read after the next step is queued; a step that validates or saves reads its own
+    at once, so each line still follows its step, with the train time rising, and a validation line follows the
+    train line of its step."""
+    run_dir, metrics = train(tmp_path, *TINY, "--num_iterations=5", "--val_loss_every=2", "--checkpoint_every=3")
+    kinds = [(m["step"], "val" if "val_loss" in m else "train") for m in metrics if "train_time_ms" in m]
+    assert kinds == [(0, "val"), (1, "train"), (2, "train"), (2, "val"), (3, "train"), (4, "train"), (4, "val"),
+                     (5, "train"), (5, "val")]
+    times = [m["train_time_ms"] for m in metrics if "train_time_ms" in m]
+    assert times == sorted(times) and times[0] < 1
+    assert sorted(p.name for p in run_dir.glob("ckpt_*.pt")) == ["ckpt_000003.pt", "ckpt_000005.pt"]
+
+
+def test_loss_record_gives_the_time_of_its_step_when_read_later():
+    """Without a GPU, a record's train time is the time it was made (CPU work is synchronous), however late it is
+    read; the loss and the stop vote come back as logged."""
+    from runtime.run import LossRecord, TrainClock
+    clock = TrainClock(cuda=False, ms=1000.0)
+    clock.start()
+    record = LossRecord(7, torch.tensor(2.5, dtype=torch.bfloat16), True, 1, clock)
+    time.sleep(0.2)
+    loss, stop, ms = record.read()
+    assert (record.step, loss, stop) == (7, 2.5, True)
+    assert 1000.0 <= ms < 1000.0 + 150
+    assert clock.stop() >= 1000.0 + 200
+
+
+@pytest.mark.gpu
+def test_loss_record_queues_without_waiting_for_the_gpu():
+    """Making a record syncs nothing (the sync debug mode raises on any sync), so it returns while the GPU is still
+    busy; reading it waits, and its train time includes the GPU's work queued before it."""
+    from runtime.run import LossRecord, TrainClock
+    clock = TrainClock(cuda=True)
+    clock.start()
+    torch.cuda._sleep(10**9)  # GPU clock cycles: at least 0.5 s at an H200's 1,980 MHz at most
+    loss = torch.full((), 3.0, device="cuda")
+    t = time.perf_counter()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        record = LossRecord(1, loss, False, 1, clock)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert time.perf_counter() - t < 0.2
+    assert not record.flags.is_cuda and record.flags.is_pinned()
+    loss_read, stop, ms = record.read()
+    assert (loss_read, stop) == (3.0, False) and ms >= 450
+
+
 def test_warmup_then_restore_changes_nothing(tmp_path):
     """Warm-up steps train the model and advance the loader; restoring must undo every bit of it."""
     flags = [*TINY, "--num_iterations=3", "--val_loss_every=0"]
