@@ -300,7 +300,9 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
             # also checked before every checkpoint, so a checkpoint never holds a diverged model.
             record = LossRecord(done, loss_sum / derived.grad_accum, stop.signal != 0, rt.world_size, clock)
             records, pending = (records + [record], None) if at_once else (records, record)
-        for record in records:
+        stopping = False
+        while records:
+            record = records.pop(0)
             train_loss, stop_votes, elapsed = record.read()
             # The loss lags the update by one step: an update that overflowed shows only in the weights.
             saving = cfg.checkpoint_every and (checkpoint_due or stop_votes)
@@ -317,12 +319,16 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
                 log.close()
                 return DIVERGED_EXIT
             log.step(record.step, cfg.num_iterations, elapsed, train_loss=train_loss)
-            if stop_votes:  # read one step late, perhaps: the checkpoint holds every step run (done)
-                path = save(done, clock.stop()) if cfg.checkpoint_every else None
-                log.print(f"stopped by a signal after step {done}" +
-                          (f"; resume with --resume {path}" if path else " (no checkpoint: --checkpoint_every 0)"))
-                log.close()
-                return 0
+            stopping = stopping or stop_votes
+            if stopping and pending:  # the vote was read a step late: log the step queued since, then stop
+                records.append(pending)
+                pending = None
+        if stopping:
+            path = save(done, clock.stop()) if cfg.checkpoint_every else None
+            log.print(f"stopped by a signal after step {done}" +
+                      (f"; resume with --resume {path}" if path else " (no checkpoint: --checkpoint_every 0)"))
+            log.close()
+            return 0
 
         if checkpoint_due:
             last_checkpoint = save(done, clock.stop()) or last_checkpoint

@@ -690,6 +690,7 @@ def assert_stopped_with_checkpoint(status: int, text: str, log_dir: Path) -> Non
     match = re.search(r"^stopped by a signal after step (\d+); resume with --resume (\S+)$", text, re.M)
     assert match, text
     step, path = int(match.group(1)), Path(match.group(2))
+    assert re.search(rf"^step:{step}/\d+ train_loss:", text, re.M), text  # the last step's loss is logged too
     (run_dir,) = log_dir.iterdir()
     assert checkpoint.list_checkpoints(run_dir) == [path] == [checkpoint.checkpoint_path(run_dir, step)]
     assert not list(run_dir.glob(".*tmp*"))
