@@ -299,7 +299,10 @@ def train(cfg: TrainConfig, rt: dist.Runtime, argv: list[str]) -> int:
             # One collective carries the loss and any stop request, so every rank decides alike. The loss is
             # also checked before every checkpoint, so a checkpoint never holds a diverged model.
             record = LossRecord(done, loss_sum / derived.grad_accum, stop.signal != 0, rt.world_size, clock)
-            records, pending = (records + [record], None) if at_once else (records, record)
+            if at_once:
+                records.append(record)
+            else:
+                pending = record
         stopping = False
         while records:
             record = records.pop(0)

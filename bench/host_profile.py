@@ -16,10 +16,11 @@ step.
 Only the timed steps count: from the end of the main thread's first validation (step 0's) to the start of its last
 (after the last step; bench.run throughput validates at these two only). With --idle, py-spy samples every thread at
 every tick, so a thread's samples, counted back from the end of the recording, give their time, and the same window
-applies to the threads that live to the end (the autograd engine's device thread, which runs the backward on a GPU). For each thread with any frame of our code in
-the window: its seconds there, then two tables. By where each sample is: the innermost frame of our code and the
-frame below it ("none": no Python frame below, as in a GPU sync, which spins, or a kernel launch's C half). By each
-function of our code, inclusive. A thread's samples with no Python frame at all (idle) count in its seconds only.
+applies to the threads that live to the end (the autograd engine's device thread, which runs the backward on a GPU). For
+each thread with any frame of our code in the window: its seconds there, then two tables. By where each sample is: the
+innermost frame of our code and the frame below it ("none": no Python frame below, as in a GPU sync, which spins, or a
+kernel launch's C half). By each function of our code, inclusive. A thread's samples with no Python frame at all (idle)
+count in its seconds only.
 py-spy is not a dependency: its wheel holds one static binary (bench/cold_profile.py).
 """
 import collections

@@ -112,7 +112,7 @@ PRESETS: dict[str, dict] = {
     # gave 1.018-1.023 in four seeds at 127.8-128.1 s on a 1,665 MHz machine. With both MLP products in FP8 (c9bd1dd)
     # 540 steps gave 1.0184 and 1.0266 (seeds 0 and 1) in 121.9 s; 560 steps gave 1.0157 (seed 1) in 124.4 s on a
     # 1,725 MHz machine, so the preset spends 2.5 s on margin (bench/results/README.md, one run: more seeds wanted).
-    # Every run there logged every 20th step; until the lagged log (section "lagged log") each such step synced.
+    # Every run there logged every 20th step; until e569653 (the lagged log) each such step synced.
     "short": dict(batch_size=3, num_iterations=560, cooldown_frac=0.9, momentum_warmup_steps=-1, val_loss_every=0,
                   log_every=20, muon_method="polar_express"),
     # The larger shapes keep every block complete (no_attention_layers="auto" cuts layer 7 at 12 layers only).

@@ -250,9 +250,10 @@ class TrainClock:
 class LossRecord:
     """A logged step's train loss and the ranks' stop votes, summed over the ranks by one collective (so every rank
     decides alike) and copied to the host without waiting. The loop reads a record after queueing the next step,
-    so the GPU's queue never drains between steps: at 8c60c3c, logging every step made the step 7-10 ms longer than
-    logging every 20th (bench/results/README.md, section "lagged log"). Nothing here syncs: a tensor made from a
-    Python number on the GPU would (a pageable copy), torch.full does not."""
+    so the GPU's queue never drains between steps: at 8c60c3c's step, logging every step made the step 7-10 ms longer
+    than logging every 20th, and reading the loss a step late made it 3.80 and 8.90 ms shorter in two pairs
+    (bench/results/README.md, section e569653). Nothing here syncs: a tensor made from a Python number on the GPU
+    would (a pageable copy), torch.full does not."""
 
     def __init__(self, step: int, loss: torch.Tensor, stop: bool, world_size: int, clock: TrainClock):
         flags = torch.stack([loss.float(), torch.full((), float(stop), device=loss.device)])
