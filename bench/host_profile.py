@@ -72,14 +72,18 @@ def _before_end(weights: list[float]) -> list[float]:
 
 
 def thread_tables(profile: dict, frames: list[dict], repo: str, window: tuple[float, float] = (float("inf"), 0.0)
-                  ) -> tuple[float, collections.Counter, collections.Counter]:
-    """(seconds in the window, seconds by (innermost frame of ours, the frame below it), inclusive seconds by our
-    functions), the window as timed_window gives it; samples without a frame of ours count in the first only."""
-    sampled, where, inclusive = 0.0, collections.Counter(), collections.Counter()
+                  ) -> tuple[float, float, collections.Counter, collections.Counter]:
+    """(seconds in the window, seconds of them in Python, seconds by (innermost frame of ours, the frame below it),
+    inclusive seconds by our functions), the window as timed_window gives it. In Python: any frame with a file
+    (py-spy's process and thread frames have none), so a thread's other seconds are idle or in native code alone,
+    as the autograd thread is between the backward's ops. Samples without a frame of ours count in the first two
+    only."""
+    sampled, python, where, inclusive = 0.0, 0.0, collections.Counter(), collections.Counter()
     for stack, seconds, start in zip(profile["samples"], profile["weights"], _before_end(profile["weights"])):
         if not window[0] >= start > window[1]:
             continue
         sampled += seconds
+        python += seconds if any(frames[i].get("file") for i in stack) else 0.0
         at = [j for j, i in enumerate(stack) if ours(frames[i], repo)]
         if not at:
             continue
@@ -87,7 +91,7 @@ def thread_tables(profile: dict, frames: list[dict], repo: str, window: tuple[fl
         where[(name(frames[stack[at[-1]]], repo), below)] += seconds
         for function in {name(frames[stack[j]], repo, line=False) for j in at}:
             inclusive[function] += seconds
-    return sampled, where, inclusive
+    return sampled, python, where, inclusive
 
 
 def main():
@@ -108,10 +112,10 @@ def main():
     for p in profiles:
         if p["name"].split()[:len(process)] != process:
             continue
-        sampled, where, inclusive = thread_tables(p, frames, args.repo, window)
+        sampled, python, where, inclusive = thread_tables(p, frames, args.repo, window)
         if not where:
             continue
-        print(f"{p['name']}: {sampled:.2f} s sampled in the timed steps")
+        print(f"{p['name']}: {sampled:.2f} s sampled in the timed steps, {python:.2f} s of them in Python")
         print("  seconds  share  innermost frame of our code -> the frame below it")
         for (inner, below), seconds in where.most_common(ROWS):
             print(f"  {seconds:7.2f}  {seconds / sampled:5.1%}  {inner} -> {below}")

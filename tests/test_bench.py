@@ -357,8 +357,8 @@ def test_host_profile_places_each_sample_in_our_code():
               {"name": "ReLU2MLP.backward", "file": "/r/model/layers.py", "line": 394}]
     profile = {"samples": [[0], [0, 1, 2], [5, 3, 4], [5, 3], [2], [0, 1, 2]],
                "weights": [0.5, 0.25, 0.125, 1.0, 2.0, 0.25]}
-    sampled, where, inclusive = host_profile.thread_tables(profile, frames, "/r/")
-    assert sampled == 4.125
+    sampled, python, where, inclusive = host_profile.thread_tables(profile, frames, "/r/")
+    assert sampled == python == 4.125
     assert where == {("train (train_gpt2.py:296)", "none"): 0.5,
                      ("train_step (train_gpt2.py:198)", "backward (torch/autograd/__init__.py:9)"): 0.5,
                      ("launch (model/mlp_kernels.py:340)", "JITFunction.run (triton/runtime/jit.py:5)"): 0.125,
@@ -381,12 +381,14 @@ def test_host_profile_counts_the_timed_steps_only():
     main = {"samples": [[0, 2], [0, 1], [0, 1], [0, 2], [0, 2], [0, 2], [0, 2], [0, 2], [0, 1], [0]],
             "weights": [0.5] * 10}
     assert host_profile.timed_window(main, frames) == (3.5, 1.0)
-    # the autograd thread's 6 ticks are the main thread's last 6: 4 in the window, one idle (no Python frame)
-    autograd = {"samples": [[3], [3], [3], [], [3], []], "weights": [0.5] * 6}
-    sampled, where, inclusive = host_profile.thread_tables(autograd, frames, "/r/", (3.5, 1.0))
-    assert sampled == 2.0 and where == {("ReLU2MLP.backward (model/layers.py:4)", "none"): 1.5}
-    sampled, where, _ = host_profile.thread_tables(main, frames, "/r/", (3.5, 1.0))
-    assert sampled == 2.5 and where == {("GPT.forward (model/gpt.py:3)", "none"): 2.5}
+    # the autograd thread's 6 ticks are the main thread's last 6: 4 in the window, one idle (only py-spy's thread
+    # frame, which has no file)
+    frames.append({"name": "thread (7)", "file": "", "line": 0})
+    autograd = {"samples": [[4, 3], [4, 3], [4, 3], [4], [4, 3], [4]], "weights": [0.5] * 6}
+    sampled, python, where, inclusive = host_profile.thread_tables(autograd, frames, "/r/", (3.5, 1.0))
+    assert (sampled, python) == (2.0, 1.5) and where == {("ReLU2MLP.backward (model/layers.py:4)", "none"): 1.5}
+    sampled, python, where, _ = host_profile.thread_tables(main, frames, "/r/", (3.5, 1.0))
+    assert sampled == python == 2.5 and where == {("GPT.forward (model/gpt.py:3)", "none"): 2.5}
     with pytest.raises(ValueError, match="fewer than twice"):
         host_profile.timed_window({"samples": main["samples"][:8], "weights": [0.5] * 8}, frames)
 
