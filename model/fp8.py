@@ -66,19 +66,27 @@ def to_e4m3(t: Tensor, scale: Tensor) -> Tensor:
     return (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+def k_major_weight(w_KN: Tensor) -> tuple[Tensor, Tensor]:
+    """(w8 (N, K), its scale): the e4m3 copy of a weight w (K, N) at its own amax, stored K-major as Hopper's 8-bit
+    warpgroup MMA reads both operands."""
+    w_scale = scale_of(w_KN)
+    return to_e4m3(w_KN.t(), w_scale).contiguous(), w_scale
+
+
 def normed_operands(x_MK: Tensor, w_KN: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(x8 (M, K), w8 (N, K), scale) for x @ w: the e4m3 copies of normed rows x and of w (K, N), w's stored K-major
-    as Hopper's 8-bit warpgroup MMA reads both operands, and the product of their scales."""
-    x_scale, w_scale = normed_scale(x_MK), scale_of(w_KN)
-    return to_e4m3(x_MK, x_scale), to_e4m3(w_KN.t(), w_scale).contiguous(), x_scale * w_scale
+    """(x8 (M, K), w8 (N, K), scale) for x @ w: the e4m3 copies of normed rows x and of w (K, N) (k_major_weight),
+    and the product of their scales."""
+    x_scale = normed_scale(x_MK)
+    w8_NK, w_scale = k_major_weight(w_KN)
+    return to_e4m3(x_MK, x_scale), w8_NK, x_scale * w_scale
 
 
 def grad_operands(g_MK: Tensor, w_KN: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(g8 (M, K), w8 (N, K), g's scale, w's scale) for g @ w, g a gradient and w (K, N) a weight: e4m3 copies at
-    each tensor's own amax (a pass over g: a gradient has no bound known before it), w's stored K-major as in
-    normed_operands."""
-    g_scale, w_scale = scale_of(g_MK), scale_of(w_KN)
-    return to_e4m3(g_MK, g_scale), to_e4m3(w_KN.t(), w_scale).contiguous(), g_scale, w_scale
+    each tensor's own amax (a pass over g: a gradient has no bound known before it), w's as k_major_weight makes it."""
+    g_scale = scale_of(g_MK)
+    w8_NK, w_scale = k_major_weight(w_KN)
+    return to_e4m3(g_MK, g_scale), w8_NK, g_scale, w_scale
 
 
 def relu2_scale(w8_NK: Tensor, scale: Tensor) -> Tensor:
