@@ -15,11 +15,12 @@ import torch
 import triton
 
 from bench.timing import graph_ms, median_ms
-from model import head, head_kernels
+from model import head, head_kernels, transpose_kernels
 
 N, V, SOFTCAP = 48 * 1024, 50304, 15.0
 # The training forward (lse, loss and the e5m2 unit gradient in two passes per row: chunk of the row, warps) and
-# the e5m2 transpose's tiles (rows, columns, warps), swept here; model/head_kernels.py commits one of each.
+# the e5m2 transpose's tiles (rows, columns, warps), swept here; model/head_kernels.py and
+# model/transpose_kernels.py commit one of each.
 # bench/results/head_kernels_1xH200_8ab2f99.json also timed a gradient kernel storing each tile in both layouts
 # (7.6-10.8 ms at six shapes), which the separate transpose replaced.
 FORWARD_SHAPES = [(1024, 4), (1024, 8), (2048, 4), (2048, 8), (2048, 16), (4096, 8), (4096, 16)]
@@ -102,7 +103,7 @@ def main():
     for block_r, block_c, warps in TRANSPOSE_TILES:
         grid = (triton.cdiv(N, block_r), triton.cdiv(V, block_c))
         result["transpose_e5m2_ms"]["triton %dx%d, %d warps" % (block_r, block_c, warps)] = attempt(
-            lambda: head_kernels._transpose_kernel[grid](u8_NV, u8t_VN, N, V, BLOCK_R=block_r, BLOCK_C=block_c,
+            lambda: transpose_kernels._transpose_kernel[grid](u8_NV, u8t_VN, N, V, BLOCK_R=block_r, BLOCK_C=block_c,
                                                          num_warps=warps))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from bench.mlp_kernels import error_of_max
 from bench.timing import failure, graph_ms
-from model import fp8, head, head_kernels
+from model import fp8, head, head_kernels, transpose_kernels
 
 N, V, D, SOFTCAP = 48 * 1024, 50304, 768, 15.0
 # (BLOCK_M over V, BLOCK_N over D, BLOCK_K over the tokens, stages, warps, imprecise accumulation)
@@ -94,7 +94,7 @@ def main():
     ref = (u_NV.float().t() @ x_op.float()) * scale  # the same FP8 values
 
     def transpose():
-        return head_kernels.transposed(u_NV)
+        return transpose_kernels.transposed(u_NV)
 
     def cublas():
         return torch._scaled_mm(u_VN, xt_DN.t(), scale_a=g_scale, scale_b=x_scale, out_dtype=torch.float32)

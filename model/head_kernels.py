@@ -13,7 +13,8 @@ the bf16 logits from HBM once and write the gradient once per layout:
   gradient is one factor per token row; HeadLoss.backward applies it to the matrix products' other operand or
   output, so the (tokens x vocab) gradient is complete when the forward ends and the backward reads no logits.
   torch._scaled_mm wants its first operand row-major, so grad_x = u8_NV @ W and grad_w = u8t_VN @ x each need
-  their own layout: the FP8 version then transposes its e5m2 output in a second kernel.
+  their own layout: the FP8 version then transposes its e5m2 output in a second kernel
+  (model/transpose_kernels.py).
 - Measured per micro-batch on the H200: the forward with the e5m2 gradient 3.08 ms and the transpose 1.31, against
   1.48 for the forward alone plus 3.74 for the backward kernels this replaced, which read the logits again (a
   32 x 256-tile gradient writer and the same transpose; bench/results/head_fused_scratch_1xH200_756a0f8.json, a
@@ -47,6 +48,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from model.transpose_kernels import transpose_into
+
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x log2(e)): exp2 is the GPU's native instruction
 _IGNORE_INDEX = tl.constexpr(-100)  # model.head.IGNORE_INDEX
 
@@ -62,10 +65,6 @@ _IGNORE_INDEX = tl.constexpr(-100)  # model.head.IGNORE_INDEX
 # 3.08 and 3.17 for 2,048 x 8, and up to 5.3 for the others. 2,048 x 8 sums in the order of the kernels it replaced,
 # so the loss and the e5m2 gradient keep their bits and the loss curves measured before this change still hold.
 _FORWARD_BLOCK_V, _FORWARD_WARPS = 2048, 8
-# Transpose: 64 x 128 tiles of 4 warps (1.30 ms; 128 x 128 took 1.32, 64 x 64 1.67, 32 x 32 2.07; inductor's
-# g.t().contiguous() 2.12; head_kernels_1xH200_8ab2f99.json, and within 0.05 ms of these in the later files): an
-# e5m2 tile row is 128 bytes read, a transposed one 64 bytes written, whole 32-byte sectors either way.
-_TRANSPOSE_BLOCK_R, _TRANSPOSE_BLOCK_C, _TRANSPOSE_WARPS = 64, 128, 4
 
 
 # The interpreter (TRITON_INTERPRET=1, CPU tests) cannot run inline PTX. triton.jit asks this knob (which reads the
@@ -127,18 +126,6 @@ def _forward_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, u_ptr, softcap: 
             tl.store(u_row_ptr + cols_V, u_V.to(u_ptr.dtype.element_ty), mask=inside_V)
 
 
-@triton.jit
-def _transpose_kernel(src_ptr, dst_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dst (C, R) = src (R, C) transposed, one tile per program; the tile goes through shared memory (tl.trans),
-    so that both the load and the store walk contiguous rows."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    tile = tl.load(src_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :],
-                   mask=(rows < R)[:, None] & (cols < C)[None, :])
-    tl.store(dst_ptr + cols.to(tl.int64)[:, None] * R + rows[None, :], tl.trans(tile),
-             mask=(cols < C)[:, None] & (rows < R)[None, :])
-
-
 def _check(logits_NV: Tensor, *rows: Tensor) -> None:
     torch._check(logits_NV.dtype in (torch.bfloat16, torch.float32) and logits_NV.is_contiguous(),
                  lambda: f"the head kernels take contiguous bf16/fp32 logits, not {logits_NV.dtype}")
@@ -173,16 +160,6 @@ def loss_and_unit_grad(logits_NV: Tensor, targets_N: Tensor, softcap: float) -> 
     return _forward(logits_NV, targets_N, softcap, u_NV)[1], u_NV
 
 
-def transposed(src_RC: Tensor) -> Tensor:
-    """A new contiguous (C, R) copy of src (R, C), by _transpose_kernel at the tiles committed above."""
-    R, C = src_RC.shape
-    dst_CR = torch.empty((C, R), dtype=src_RC.dtype, device=src_RC.device)
-    grid = (triton.cdiv(R, _TRANSPOSE_BLOCK_R), triton.cdiv(C, _TRANSPOSE_BLOCK_C))
-    wrap_triton(_transpose_kernel)[grid](src_RC, dst_CR, R, C, BLOCK_R=_TRANSPOSE_BLOCK_R, BLOCK_C=_TRANSPOSE_BLOCK_C,
-                                         num_warps=_TRANSPOSE_WARPS)
-    return dst_CR
-
-
 @triton_op("speedrun::head_loss_and_unit_grad_fp8", mutates_args=())
 def loss_and_unit_grad_fp8(logits_NV: Tensor, targets_N: Tensor, softcap: float, u_scale: float
                            ) -> tuple[Tensor, Tensor, Tensor]:
@@ -190,4 +167,6 @@ def loss_and_unit_grad_fp8(logits_NV: Tensor, targets_N: Tensor, softcap: float,
     same bits): model.head.loss_and_unit_grad_fp8."""
     u8_NV = torch.empty(logits_NV.shape, dtype=torch.float8_e5m2, device=logits_NV.device)
     loss_N = _forward(logits_NV, targets_N, softcap, u8_NV, u_scale)[1]
-    return loss_N, u8_NV, transposed(u8_NV)
+    u8t_VN = u8_NV.new_empty((u8_NV.size(1), u8_NV.size(0)))
+    transpose_into(u8_NV, u8t_VN)
+    return loss_N, u8_NV, u8t_VN

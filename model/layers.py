@@ -26,9 +26,9 @@ from model.fp8 import (NormedFP8Linear, delayed_scale, fp8_mm, grad_operands, no
                        normed_scale, relu2_scale, scale_of, to_e4m3)
 
 try:  # the CUDA path's Triton kernels; CPU-only installs (CI) lack triton and run the torch ops below
-    from model import embed_kernels, mlp_kernels, norm_kernels, qkv_kernels, skip_kernels
+    from model import embed_kernels, mlp_kernels, norm_kernels, qkv_kernels, skip_kernels, transpose_kernels
 except ImportError:
-    embed_kernels = mlp_kernels = norm_kernels = qkv_kernels = skip_kernels = None
+    embed_kernels = mlp_kernels = norm_kernels = qkv_kernels = skip_kernels = transpose_kernels = None
 
 
 GATE_FRACTION = 64  # the attention gate reads the first D / 64 channels (record #28's dampen_factor)
@@ -135,11 +135,11 @@ def qkv_prep(qkv_BT3Hd: Tensor, cos_TP: Tensor, sin_TP: Tensor, lambdas: Tensor,
 
 def qkv_prep_grad_fp8(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, qkv_BT3Hd: Tensor, cos_TP: Tensor,
                       sin_TP: Tensor, lambdas: Tensor, v_first_BTHd: Tensor | None, ve_BTA: Tensor | None,
-                      amax: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """qkv_prep's gradients for (qkv, lambdas, v_first, ve), qkv's also as an e4m3 copy (B T, 3 H d) at amax's delayed
-    scale (model/fp8.py), after which amax holds this gradient's absolute maximum: (qkv's gradient, its copy, the
-    scale, lambdas', v_first's and ve's gradients), an absent input's an empty tensor. By fp32 autograd through the
-    torch ops: FP8QKV's path off CUDA and the reference of model/qkv_kernels.py's kernel."""
+                      amax: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """qkv_prep's gradients for (qkv, lambdas, v_first, ve), qkv's only as an e4m3 copy (B T, 3 H d) at amax's delayed
+    scale (model/fp8.py), after which amax holds this gradient's absolute maximum: (qkv's copy, its scale, lambdas',
+    v_first's and ve's gradients), an absent input's an empty tensor. By fp32 autograd through the torch ops:
+    FP8QKV's path off CUDA and the reference of model/qkv_kernels.py's kernel."""
     inputs = [None if t is None else t.detach().float().requires_grad_()
               for t in (qkv_BT3Hd, lambdas, v_first_BTHd, ve_BTA)]
     with torch.enable_grad():
@@ -150,8 +150,7 @@ def qkv_prep_grad_fp8(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, qkv_BT3Hd:
     scale = delayed_scale(amax)
     amax.copy_(g_qkv.abs().amax())
     absent = qkv_BT3Hd.new_empty(0)
-    return (g_qkv.to(qkv_BT3Hd.dtype), to_e4m3(g_qkv.flatten(0, 1).flatten(1), scale), scale,
-            g_lambdas.to(lambdas.dtype), absent if g_v_first is None else g_v_first.to(v_first_BTHd.dtype),
+    return (to_e4m3(g_qkv.flatten(0, 1).flatten(1), scale), scale, g_lambdas.to(lambdas.dtype), absent if g_v_first is None else g_v_first.to(v_first_BTHd.dtype),
             absent if g_ve is None else g_ve.to(ve_BTA.dtype))
 
 
@@ -181,40 +180,50 @@ class QKVPrep(torch.autograd.Function):
                 None if ve_BTA is None else grad_ve)
 
 
+def transposed_copy(t_RC: Tensor, on_kernels: bool) -> Tensor:
+    """t.t().contiguous(); with on_kernels (CUDA), by model/transpose_kernels.py's kernel, whose tiles copied the head's
+    e5m2 gradient in 1.30 ms where inductor's copy of the same torch ops took 2.12 (that module's measurements)."""
+    return transpose_kernels.transposed(t_RC) if on_kernels else t_RC.t().contiguous()
+
+
 class FP8QKV(torch.autograd.Function):
     """qkv_prep(x @ w^T) for normed rows x (B, T, D) and the fused weight w (3A, D) in x's dtype, with the product and
-    its backward's input gradient in FP8. The forward is normed_fp8_linear's (model/fp8.py), then QKVPrep's kernel;
-    the backward's kernel (QKVPrep's, with FP8) writes the product's output gradient in bf16 and also as an e4m3 copy
-    at grad_amax's delayed scale (model/fp8.py's delayed_scale), as the MLP's first backward kernel does (ReLU2MLP).
-    x's gradient reads that copy; w's stays a bf16 product of the gradient and the saved x, as its FP8 form would read
-    both operands transposed (tokens innermost), and a transposed copy written by this kernel cost more than the
-    product saves (bench/results/README.md, session of 2026-12-04). Off CUDA the torch ops of qkv_prep and
-    qkv_prep_grad_fp8."""
+    both of its backward's products in FP8. The forward is normed_fp8_linear's (model/fp8.py), then QKVPrep's kernel;
+    it keeps x's e4m3 copy in place of x, transposed (tokens innermost, as Hopper's 8-bit MMA reads both operands of a
+    weight's gradient). The backward's kernel (QKVPrep's, with FP8) writes the product's output gradient only as an
+    e4m3 copy, at grad_amax's delayed scale (model/fp8.py's delayed_scale), as the MLP's first backward kernel does
+    (ReLU2MLP). x's gradient reads that copy; w's reads it transposed by a kernel of its own (transposed_copy). A
+    transposed copy written by QKVPrep's kernel itself cost more than the product saves, and was wrong on the GPU
+    (bench/results/README.md, session of 2026-12-04). Off CUDA the torch ops of qkv_prep and qkv_prep_grad_fp8."""
 
     @staticmethod
     def forward(ctx, x_BTD: Tensor, w_ND: Tensor, x8_BTD: Tensor | None, cos_TP: Tensor, sin_TP: Tensor,
                 lambdas: Tensor, v_first_BTHd: Tensor | None, ve_BTA: Tensor | None, grad_amax: Tensor,
                 num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
         B, T, _ = x_BTD.shape
-        qkv_BT3Hd = normed_fp8_linear(x_BTD, w_ND, x8_BTD)[0].view(B, T, 3 * num_heads, -1)
+        qkv_BTN, x8_MD, x_scale = normed_fp8_linear(x_BTD, w_ND, x8_BTD)
+        qkv_BT3Hd = qkv_BTN.view(B, T, 3 * num_heads, -1)
         ctx.on_kernels = on_qkv_kernels(x_BTD, qkv_BT3Hd.size(-1))
-        ctx.save_for_backward(x_BTD, w_ND, qkv_BT3Hd, cos_TP, sin_TP, lambdas, v_first_BTHd, ve_BTA, grad_amax)
+        ctx.x_shape, ctx.x_dtype = x_BTD.shape, x_BTD.dtype
+        ctx.save_for_backward(transposed_copy(x8_MD, ctx.on_kernels), x_scale, w_ND, qkv_BT3Hd, cos_TP, sin_TP,
+                              lambdas, v_first_BTHd, ve_BTA, grad_amax)
         return (qkv_kernels.qkv_prep if ctx.on_kernels else qkv_prep)(qkv_BT3Hd, cos_TP, sin_TP, lambdas,
                                                                       v_first_BTHd, ve_BTA)
 
     @staticmethod
     def backward(ctx, grad_q: Tensor, grad_k: Tensor, grad_v: Tensor):
-        x_BTD, w_ND, qkv_BT3Hd, cos_TP, sin_TP, lambdas, v_first_BTHd, ve_BTA, grad_amax = ctx.saved_tensors
+        x8_DM, x_scale, w_ND, qkv_BT3Hd, cos_TP, sin_TP, lambdas, v_first_BTHd, ve_BTA, grad_amax = ctx.saved_tensors
         # the kernel takes the gradients' rows at any stride (FlexAttention's arrive transposed), not their elements
         grad_q, grad_k, grad_v = (g if g.stride(-1) == 1 else g.contiguous() for g in (grad_q, grad_k, grad_v))
-        g_BT3Hd, g8_MN, g_scale, grad_lambdas, grad_v_first, grad_ve = (
+        g8_MN, g_scale, grad_lambdas, grad_v_first, grad_ve = (
             qkv_kernels.qkv_prep_grad_fp8 if ctx.on_kernels else qkv_prep_grad_fp8)(
             grad_q, grad_k, grad_v, qkv_BT3Hd, cos_TP, sin_TP, lambdas, v_first_BTHd, ve_BTA, grad_amax)
         w_scale = scale_of(w_ND)
         # fp8_mm's second operand is read (K, N) column-major: w's (N, K) e4m3 copy stored transposed, then viewed back
-        grad_x_MD = fp8_mm(g8_MN, to_e4m3(w_ND.t(), w_scale).contiguous().t(), g_scale, w_scale, x_BTD.dtype)
-        grad_w_ND = g_BT3Hd.flatten(0, 1).flatten(1).t() @ x_BTD.flatten(0, 1)
-        return (grad_x_MD.view_as(x_BTD), grad_w_ND, None, None, None, grad_lambdas,
+        grad_x_MD = fp8_mm(g8_MN, to_e4m3(w_ND.t(), w_scale).contiguous().t(), g_scale, w_scale, ctx.x_dtype)
+        # w's gradient sums over the tokens (K = M): the gradient's copy transposed, and x's kept copy viewed back
+        grad_w_ND = fp8_mm(transposed_copy(g8_MN, ctx.on_kernels), x8_DM.t(), g_scale, x_scale, w_ND.dtype)
+        return (grad_x_MD.view(ctx.x_shape), grad_w_ND, None, None, None, grad_lambdas,
                 None if v_first_BTHd is None else grad_v_first, None if ve_BTA is None else grad_ve, None, None)
 
 

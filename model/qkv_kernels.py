@@ -9,9 +9,10 @@ reached there. Here each side reads every row once (below), and the whole step t
 machine (bench/results/README.md):
 - forward: q, k, v and the optional value inputs in; q and k normed and rotated, and the mixed v out;
 - backward: the three output gradients (any strides: FlexAttention's come transposed) and the forward's inputs
-  in; the projection's gradient (B, T, 3H, d), the value inputs' gradients and one fp32 partial sum per program
-  and value weight out, which torch sums (a fixed order: the same bits every run). The norm's 1 / rms is
-  recomputed from q and k rather than saved.
+  in; the projection's gradient (B, T, 3H, d) (for FP8QKV only as an e4m3 copy at a delayed scale, with its
+  absolute maximum), the value inputs' gradients and one fp32 partial sum per program and value weight out,
+  which torch sums (a fixed order: the same bits every run). The norm's 1 / rms is recomputed from q and k rather
+  than saved.
 
 All arithmetic is fp32 (the value weights are read as the fp32 masters), with one rounding per stored value.
 The functions are torch.library.triton_ops, as in model/head_kernels.py: they run inside the compiled blocks,
@@ -119,7 +120,7 @@ def _qkv_backward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve
     angle = t[:, None] * P + half
     cos = tl.load(cos_ptr + angle, mask=inside, other=0.0)
     sin = tl.load(sin_ptr + angle, mask=inside, other=0.0)
-    # FP8: dqkv's e4m3 copy too, in the same layout, and its absolute maximum (one atomic per program)
+    # FP8: dqkv only as an e4m3 copy (into g8, in dqkv's layout) and its absolute maximum (one atomic per program)
     inv_scale = 1.0
     amax = 0.0
     if FP8:
@@ -131,12 +132,13 @@ def _qkv_backward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve
     g1 = tl.load(dq_ptr + g + half, mask=inside, other=0.0).to(tl.float32)
     g2 = tl.load(dq_ptr + g + P + half, mask=inside, other=0.0).to(tl.float32)
     d1, d2 = _norm_rotary_grad(x1, x2, g1, g2, cos, sin, D)
-    tl.store(dqkv_ptr + src + half, d1.to(dqkv_ptr.dtype.element_ty), mask=inside)
-    tl.store(dqkv_ptr + src + P + half, d2.to(dqkv_ptr.dtype.element_ty), mask=inside)
     if FP8:
         tl.store(g8_ptr + src + half, _e4m3(d1, inv_scale), mask=inside)
         tl.store(g8_ptr + src + P + half, _e4m3(d2, inv_scale), mask=inside)
         amax = tl.maximum(amax, tl.maximum(_abs_max(d1), _abs_max(d2)))
+    else:
+        tl.store(dqkv_ptr + src + half, d1.to(dqkv_ptr.dtype.element_ty), mask=inside)
+        tl.store(dqkv_ptr + src + P + half, d2.to(dqkv_ptr.dtype.element_ty), mask=inside)
 
     g = (batch * dk_sb + t * dk_st + head * dk_sh)[:, None]
     x1 = tl.load(qkv_ptr + src + H * D + half, mask=inside, other=0.0).to(tl.float32)
@@ -144,21 +146,23 @@ def _qkv_backward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve
     g1 = tl.load(dk_ptr + g + half, mask=inside, other=0.0).to(tl.float32)
     g2 = tl.load(dk_ptr + g + P + half, mask=inside, other=0.0).to(tl.float32)
     d1, d2 = _norm_rotary_grad(x1, x2, g1, g2, cos, sin, D)
-    tl.store(dqkv_ptr + src + H * D + half, d1.to(dqkv_ptr.dtype.element_ty), mask=inside)
-    tl.store(dqkv_ptr + src + H * D + P + half, d2.to(dqkv_ptr.dtype.element_ty), mask=inside)
     if FP8:
         tl.store(g8_ptr + src + H * D + half, _e4m3(d1, inv_scale), mask=inside)
         tl.store(g8_ptr + src + H * D + P + half, _e4m3(d2, inv_scale), mask=inside)
         amax = tl.maximum(amax, tl.maximum(_abs_max(d1), _abs_max(d2)))
+    else:
+        tl.store(dqkv_ptr + src + H * D + half, d1.to(dqkv_ptr.dtype.element_ty), mask=inside)
+        tl.store(dqkv_ptr + src + H * D + P + half, d2.to(dqkv_ptr.dtype.element_ty), mask=inside)
 
     g_v = tl.load(dv_ptr + (batch * dv_sb + t * dv_st + head * dv_sh)[:, None] + full, mask=inside,
                   other=0.0).to(tl.float32)
     v_own = tl.load(qkv_ptr + src + 2 * H * D + full, mask=inside, other=0.0).to(tl.float32)
     d_v = tl.load(lambdas_ptr) * g_v
-    tl.store(dqkv_ptr + src + 2 * H * D + full, d_v.to(dqkv_ptr.dtype.element_ty), mask=inside)
     if FP8:
         tl.store(g8_ptr + src + 2 * H * D + full, _e4m3(d_v, inv_scale), mask=inside)
         tl.atomic_max(amax_ptr, tl.maximum(amax, _abs_max(d_v)))
+    else:
+        tl.store(dqkv_ptr + src + 2 * H * D + full, d_v.to(dqkv_ptr.dtype.element_ty), mask=inside)
     partial = partial_ptr + tl.program_id(0) * 3
     tl.store(partial, tl.sum(tl.sum(g_v * v_own, axis=1), axis=0))
     if HAS_V_FIRST:
@@ -215,17 +219,17 @@ def qkv_prep(qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor, v_first: Te
 def _backward(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor,
               v_first: Tensor | None, ve: Tensor | None, g8: Tensor | None, inv_scale: Tensor | None,
               amax: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Launch the backward kernel (with g8, FP8: also dqkv's e4m3 copy into g8 and its amax into amax):
-    (dqkv, lambdas' gradient, v_first's, ve's)."""
+    """Launch the backward kernel: (dqkv, lambdas' gradient, v_first's, ve's); with g8 (FP8), dqkv only as its
+    e4m3 copy into g8, and its amax into amax: (g8, then the same)."""
     _check(qkv, cos, sin, lambdas, v_first, ve)
     B, T, H3, d = qkv.shape
     H = H3 // 3
     for g in (dq, dk, dv):
         torch._check(g.shape == (B, T, H, d) and g.stride(3) == 1,
                      lambda: "output gradients of shape (B, T, H, d), each row unit-stride")
-    dqkv = torch.empty_like(qkv)
-    # an absent input's gradient is never written: its pointer is dqkv's (a 0-element tensor may have none), and so
-    # are the FP8 outputs' without FP8
+    # dqkv's pointer is g8's with FP8 (it is never written); an absent input's gradient is never written either: its
+    # pointer is dqkv's (a 0-element tensor may have none), and so are the FP8 outputs' without FP8
+    dqkv = torch.empty_like(qkv) if g8 is None else g8
     dv_first = torch.empty_like(v_first) if v_first is not None else qkv.new_empty(0)
     dve = torch.empty_like(ve) if ve is not None else qkv.new_empty(0)
     block_r, warps = BACKWARD_CONFIG
@@ -236,7 +240,7 @@ def _backward(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, sin:
         qkv, cos, sin, lambdas, qkv if v_first is None else v_first, qkv if ve is None else ve, dq, dk, dv,
         dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), dqkv, dqkv if v_first is None else dv_first,
-        dqkv if ve is None else dve, partial, dqkv if g8 is None else g8, partial if inv_scale is None else inv_scale,
+        dqkv if ve is None else dve, partial, dqkv, partial if inv_scale is None else inv_scale,
         partial if amax is None else amax, R, T, H=H, D=d, BLOCK_R=block_r, HAS_V_FIRST=v_first is not None,
         HAS_VE=ve is not None, FP8=g8 is not None, num_warps=warps)
     return dqkv, partial.sum(dim=0).to(lambdas.dtype), dv_first, dve
@@ -253,14 +257,14 @@ def qkv_prep_grad(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, 
 @triton_op("speedrun::qkv_prep_grad_fp8", mutates_args=("amax",))
 def qkv_prep_grad_fp8(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor,
                       v_first: Tensor | None, ve: Tensor | None,
-                      amax: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """qkv_prep_grad, and qkv's gradient also as an e4m3 copy (B T, 3 H d) at the scale of amax
-    (model.fp8.delayed_scale), which the kernel then sets to this gradient's absolute maximum: (dqkv, g8, scale, then
-    the gradients of lambdas, v_first and ve). model.layers.qkv_prep_grad_fp8."""
+                      amax: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """qkv_prep_grad, with qkv's gradient only as an e4m3 copy (B T, 3 H d) at the scale of amax
+    (model.fp8.delayed_scale), which the kernel then sets to this gradient's absolute maximum: (g8, scale, then the
+    gradients of lambdas, v_first and ve). model.layers.qkv_prep_grad_fp8."""
     torch._check(amax.dtype == torch.float32 and amax.dim() == 0, lambda: "amax must be a 0-D fp32 tensor")
     B, T, H3, d = qkv.shape
     scale = delayed_scale(amax)
     amax.zero_()  # after the scale is read: the kernel's programs raise it from 0
     g8 = qkv.new_empty((B * T, H3 * d), dtype=torch.float8_e4m3fn)
-    dqkv, *others = _backward(dq, dk, dv, qkv, cos, sin, lambdas, v_first, ve, g8, 1 / scale, amax)
-    return dqkv, g8, scale, *others
+    _, *others = _backward(dq, dk, dv, qkv, cos, sin, lambdas, v_first, ve, g8, 1 / scale, amax)
+    return g8, scale, *others

@@ -62,9 +62,9 @@ def check(B, T, H, d, dtype, device, rtol, atol):
 def check_fp8(B, T, H, d, dtype, device, history, rtol, atol, interpreter=False, fn=None):
     """qkv_prep_grad_fp8 on the kernel (or fn, its torch ops) against fp64 autograd through qkv_prep, for each pattern
     of value inputs, with the amax of the last call at history times this gradient's (1: the true amax; 1/2: the
-    largest values saturate): every gradient as check's, and qkv's e4m3 copy at that delayed scale within e4m3's
-    rounding (2^-4 relative, or 2^-10 of the scale below its normal range) of the exact value clamped to the scale's
-    range, with the amax left at the exact one. Triton 3.6's interpreter casts fp32 -> e4m3 with a carry bug (a
+    largest values saturate): the weights' and value inputs' gradients as check's, and qkv's, given only as an e4m3
+    copy at that delayed scale, within e4m3's rounding (2^-4 relative, or 2^-10 of the scale below its normal range)
+    of the exact value clamped to the scale's range, with the amax left at the exact one. Triton 3.6's interpreter casts fp32 -> e4m3 with a carry bug (a
     mantissa that rounds up past 1.875 wraps, halving the value; the GPU rounds to nearest), so there each value may
     instead lie within rounding of half of it."""
     if fn is None:
@@ -77,7 +77,7 @@ def check_fp8(B, T, H, d, dtype, device, history, rtol, atol, interpreter=False,
         amax = (history * g_exact.abs().max()).float().reshape(())
         scale = delayed_scale(amax.clone())
         grads = [g if g.stride(-1) == 1 else g.contiguous() for g in grads]
-        dqkv, g8, got_scale, *others = fn(*grads, *inputs, amax)
+        g8, got_scale, *others = fn(*grads, *inputs, amax)
         assert g8.dtype == torch.float8_e4m3fn and g8.shape == g_exact.shape and torch.equal(got_scale, scale)
         torch.testing.assert_close(amax.double(), g_exact.abs().max(), rtol=1e-5, atol=0)
         limit = E4M3_MAX * scale.double()
@@ -91,10 +91,10 @@ def check_fp8(B, T, H, d, dtype, device, history, rtol, atol, interpreter=False,
 
         assert (near(want) | near(want / 2)).all() if interpreter else near(want).all()
         assert near(want).double().mean() > 0.9
-        rest = [dqkv, others[0]] + [g for g, t in zip(others[1:], inputs[4:]) if t is not None]
-        for i, (a, want) in enumerate(zip(rest, exact[3:], strict=True)):  # as check's
-            assert a.dtype == (torch.float32 if i == 1 else dtype) and a.shape == want.shape, i
-            if i == 1:
+        rest = [others[0]] + [g for g, t in zip(others[1:], inputs[4:]) if t is not None]
+        for i, (a, want) in enumerate(zip(rest, exact[4:], strict=True)):  # as check's, but for qkv's (above)
+            assert a.dtype == (torch.float32 if i == 0 else dtype) and a.shape == want.shape, i
+            if i == 0:
                 bound = sum(g.double().abs().sum() * t.double().abs().max()
                             for g, t in zip(grads[2:], inputs[:1] + inputs[4:]) if t is not None)
                 assert (a.double() - want).abs().max() < 1e-5 * bound, (a, want)
