@@ -286,9 +286,12 @@ def test_compiled_fp8_qkv_on_gpu():
     assert torch.equal(amax, history) and history > 0  # the same gradient again, the same amax
     got, codes = run_and_get_code(outputs_and_grads, torch.compile(fp8_qkv(amax, *tables), dynamic=False), *on_gpu,
                                   upstream=up_gpu)
-    ops = sorted(re.findall(r"torch\.ops\.speedrun\.(\w+)\.default\(", "\n".join(codes)))
-    assert ops == ["qkv_prep", "qkv_prep_grad_fp8", "transposed", "transposed"], ops
-    assert not re.search(r"extern_kernels\.(mm|addmm|bmm)\(", "\n".join(codes))
+    code = "\n".join(codes)
+    launched = [re.sub(r"(_\d+)+$", "", name) for name in re.findall(r"(\w+)\.run\(", code)]
+    ours = ("_qkv_forward_kernel", "_qkv_backward_kernel", "_transpose_kernel")
+    assert sorted(name for name in launched if name in ours) == [
+        "_qkv_backward_kernel", "_qkv_forward_kernel", "_transpose_kernel", "_transpose_kernel"], launched
+    assert not re.search(r"extern_kernels\.(mm|addmm|bmm)\(", code)  # a bf16 product would be one of these
     assert torch.equal(amax, history)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
