@@ -27,13 +27,15 @@ size. It took 8.14 and 13.12 ms off the step in same-machine pairs on two machin
 sections f00c0b4 and 8c60c3c). The short speedrun's seeds 0-3 reached 1.0159, 1.0221, 1.0146 and 1.0176 with it,
 against 1.0181, 1.0175, 1.0145 and 1.0175 without it, the largest 0.0032 below the target.
 
---fp8_backward also runs the attention's q, k, v projection's input gradient in FP8 (FP8QKV in model/layers.py):
-QKVPrep's backward kernel writes the projection's output gradient in bf16 and also as an e4m3 copy at a delayed scale.
-The step took 6.34 ms less with it, in two same-machine pairs (bench/results/README.md, section ed6e773); the short
-speedrun reached 1.0181 and 1.0175 (seeds 0 and 1). Its weight gradient and the output projection's stay bf16: qkv's
-weight gradient in FP8 too, from a transposed copy written by the same kernel, made the step 7.5-8.2 ms slower (likely
-its transposed stores: that kernel took 0.13-0.17 ms more a call) and wrote a wrong transposed copy on the GPU
-(bench/results/README.md, session of 2026-12-04; bench/results/fp8_qkv_backward_experiment.patch).
+--fp8_backward also runs both backward products of the attention's q, k, v projection in FP8 (FP8QKV in
+model/layers.py): QKVPrep's backward kernel writes the projection's output gradient only as an e4m3 copy, at a delayed
+scale. Its input gradient in FP8 took 6.34 ms off the step in two same-machine pairs (bench/results/README.md,
+section ed6e773), where the short speedrun reached 1.0181 and 1.0175 (seeds 0 and 1). Its weight gradient reads the
+same copy and x's e4m3 copy, each transposed by a kernel of its own (model/transpose_kernels.py): 7.52, 11.80 and
+11.35 ms less in three same-machine pairs, and 1.0172 and 1.0254 for seeds 0 and 1 of the short speedrun (section
+371311c; seed 1 ends 6.5e-5 above the target). The transposed copy written by QKVPrep's kernel itself had cost more
+than the product saves, 7.5-8.2 ms a step, and was wrong on the GPU (session of 2026-12-04;
+bench/results/fp8_qkv_backward_experiment.patch). The output projection's products stay bf16.
 """
 import torch
 from torch import Tensor

@@ -55,7 +55,7 @@ class TrainConfig:
     fp8_forward: bool = True  # attention's qkv and the MLP's two products in FP8 on Hopper GPUs, bf16 elsewhere
     # the gradient's scale is the previous micro-batch's amax (model/layers.py, ReLU2MLP and FP8QKV); it reads the
     # FP8 forward's copies, so without --fp8_forward it does nothing
-    fp8_backward: bool = True  # with the FP8 forward: the MLP's four backward products, qkv's input grad
+    fp8_backward: bool = True  # with the FP8 forward: the MLP's four backward products and qkv's two
     # optimization
     num_iterations: int = 1750  # optimizer steps, about the length of the mid-2025 records
     cooldown_frac: float = 0.45  # last fraction of steps over which the learning rate decays (record #28)
