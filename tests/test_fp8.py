@@ -197,6 +197,18 @@ def test_a_site_without_history_gets_scale_one():
     assert amax.item() == want.abs().max().item() > 0
 
 
+def qkv_problem(B, T, H, d, D, seed):
+    """FP8QKV's inputs on the CPU: normed bf16 rows x (B, T, D), the fused weight (3 H d, D), the rotary tables, value
+    weights, a value embedding, and the upstream gradients of q, k, v."""
+    g = torch.Generator().manual_seed(seed)
+    x = normed(B * T, D).bfloat16().view(B, T, D)
+    w = (torch.randn(3 * H * d, D, generator=g) * D ** -0.5).bfloat16()
+    cos, sin = layers.rotary_tables(T, d, 1024.0, torch.device("cpu"))
+    lambdas, ve = torch.tensor([0.7, -0.4, 1.3]), torch.randn(B, T, H * d, generator=g).bfloat16()
+    upstream = [torch.randn(B, T, H, d, generator=g).bfloat16() for _ in range(3)]
+    return x, w, cos, sin, lambdas, ve, upstream
+
+
 @pytest.mark.parametrize("history", [1.0, 0.5])
 def test_fp8_backward_qkv_on_torch_ops(history):
     """FP8QKV off the kernels: q, k, v are qkv_prep's of the FP8 product (normed_fp8_linear); x's gradient equals
@@ -206,12 +218,7 @@ def test_fp8_backward_qkv_on_torch_ops(history):
     scale; the value weights' and embedding's gradients are qkv_prep's at the FP8 product. With the true amax as
     history, the gradients of x and w within FP8's error of the bf16 path's (F.linear, then qkv_prep)."""
     B, T, H, d, D = 2, 16, 2, 16, 32
-    g = torch.Generator().manual_seed(3)
-    x = normed(B * T, D).bfloat16().view(B, T, D)
-    w = (torch.randn(3 * H * d, D, generator=g) * D ** -0.5).bfloat16()
-    cos, sin = layers.rotary_tables(T, d, 1024.0, torch.device("cpu"))
-    lambdas, ve = torch.tensor([0.7, -0.4, 1.3]), torch.randn(B, T, H * d, generator=g).bfloat16()
-    upstream = [torch.randn(B, T, H, d, generator=g).bfloat16() for _ in range(3)]
+    x, w, cos, sin, lambdas, ve, upstream = qkv_problem(B, T, H, d, D, seed=3)
 
     qkv = normed_fp8_linear(x, w, None)[0].view(B, T, 3 * H, d)
     g_exact = qkv_grad(qkv, cos, sin, lambdas, ve, upstream)
@@ -259,12 +266,7 @@ def test_compiled_fp8_qkv_on_gpu(monkeypatch):
     from torch._inductor.utils import run_and_get_code
 
     B, T, H, d, D = 1, 4096, 6, 128, 768
-    g = torch.Generator().manual_seed(5)
-    x = normed(B * T, D).bfloat16().view(B, T, D)
-    w = (torch.randn(3 * H * d, D, generator=g) * D ** -0.5).bfloat16()
-    cos, sin = layers.rotary_tables(T, d, 1024.0, torch.device("cpu"))
-    lambdas, ve = torch.tensor([0.7, -0.4, 1.3]), torch.randn(B, T, H * d, generator=g).bfloat16()
-    upstream = [torch.randn(B, T, H, d, generator=g).bfloat16() for _ in range(3)]
+    x, w, cos, sin, lambdas, ve, upstream = qkv_problem(B, T, H, d, D, seed=5)
 
     def fp8_qkv(amax, cos, sin):
         return lambda x, w, lambdas, ve: layers.FP8QKV.apply(x, w, None, cos, sin, lambdas, None, ve, amax, H)
