@@ -150,7 +150,8 @@ def qkv_prep_grad_fp8(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, qkv_BT3Hd:
     scale = delayed_scale(amax)
     amax.copy_(g_qkv.abs().amax())
     absent = qkv_BT3Hd.new_empty(0)
-    return (to_e4m3(g_qkv.flatten(0, 1).flatten(1), scale), scale, g_lambdas.to(lambdas.dtype), absent if g_v_first is None else g_v_first.to(v_first_BTHd.dtype),
+    return (to_e4m3(g_qkv.flatten(0, 1).flatten(1), scale), scale, g_lambdas.to(lambdas.dtype),
+            absent if g_v_first is None else g_v_first.to(v_first_BTHd.dtype),
             absent if g_ve is None else g_ve.to(ve_BTA.dtype))
 
 

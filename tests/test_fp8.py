@@ -252,7 +252,6 @@ def test_fp8_backward_qkv_on_torch_ops(history):
             assert (a.float() - b.float()).abs().max() < 0.1 * b.float().abs().max()
 
 
-
 @gpu
 @hopper
 def test_compiled_fp8_qkv_on_gpu(monkeypatch):

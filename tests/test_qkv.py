@@ -64,9 +64,9 @@ def check_fp8(B, T, H, d, dtype, device, history, rtol, atol, interpreter=False,
     of value inputs, with the amax of the last call at history times this gradient's (1: the true amax; 1/2: the
     largest values saturate): the weights' and value inputs' gradients as check's, and qkv's, given only as an e4m3
     copy at that delayed scale, within e4m3's rounding (2^-4 relative, or 2^-10 of the scale below its normal range)
-    of the exact value clamped to the scale's range, with the amax left at the exact one. Triton 3.6's interpreter casts fp32 -> e4m3 with a carry bug (a
-    mantissa that rounds up past 1.875 wraps, halving the value; the GPU rounds to nearest), so there each value may
-    instead lie within rounding of half of it."""
+    of the exact value clamped to the scale's range, with the amax left at the exact one. Triton 3.6's interpreter
+    casts fp32 -> e4m3 with a carry bug (a mantissa that rounds up past 1.875 wraps, halving the value; the GPU rounds
+    to nearest), so there each value may instead lie within rounding of half of it."""
     if fn is None:
         from model import qkv_kernels
         fn = qkv_kernels.qkv_prep_grad_fp8
@@ -137,7 +137,7 @@ def test_compiled_launches_only_the_kernels():
 
 
 # --- CPU, Triton interpreter --------------------------------------------------------------------------------------
-test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 2, wraps_interpreted)
+test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 3, wraps_interpreted)
 
 
 @interpreted
@@ -151,6 +151,18 @@ def test_interpreted_fp8_kernel():
     """In fp32, 222 rows: 13 programs of 16 and a partial one; history 1/2 saturates."""
     for history in (1.0, 0.5):
         check_fp8(2, 37, 3, 16, torch.float32, "cpu", history, rtol=1e-5, atol=1e-6, interpreter=True)
+
+
+@interpreted
+def test_interpreted_transposed_copy():
+    """FP8QKV's transposing copy (model/transpose_kernels.py) of an e4m3 tensor is its transpose, bit for bit, at a
+    size off both tiles: 100 rows = 64 + 36, 300 columns = 2 x 128 + 44."""
+    from model import transpose_kernels
+
+    t = (torch.randn(100, 300, generator=torch.Generator().manual_seed(0)) * 100).to(torch.float8_e4m3fn)
+    got = transpose_kernels.transposed(t)
+    assert got.shape == (300, 100) and got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8), t.view(torch.uint8).t())
 
 
 @pytest.mark.parametrize("history", [1.0, 0.5])
