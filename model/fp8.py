@@ -34,7 +34,7 @@ section ed6e773), where the short speedrun reached 1.0181 and 1.0175 (seeds 0 an
 same copy and x's e4m3 copy, each transposed by a kernel of its own (model/transpose_kernels.py): 7.52, 11.80 and
 11.35 ms less in three same-machine pairs, and 1.0172 and 1.0254 for seeds 0 and 1 of the short speedrun (section
 371311c; seed 1 ends 6.5e-5 above the target). The transposed copy written by QKVPrep's kernel itself had cost more
-than the product saves, 7.5-8.2 ms a step, and was wrong on the GPU (session of 2026-12-04;
+than the product saves, 7.5-8.2 ms a step, and was wrong on the GPU (section b55e629;
 bench/results/fp8_qkv_backward_experiment.patch). The output projection's products stay bf16.
 """
 import torch

@@ -195,7 +195,7 @@ class FP8QKV(torch.autograd.Function):
     e4m3 copy, at grad_amax's delayed scale (model/fp8.py's delayed_scale), as the MLP's first backward kernel does
     (ReLU2MLP). x's gradient reads that copy; w's reads it transposed by a kernel of its own (transposed_copy). A
     transposed copy written by QKVPrep's kernel itself cost more than the product saves, and was wrong on the GPU
-    (bench/results/README.md, session of 2026-12-04); with the copies made here, the weight's gradient in FP8 took
+    (bench/results/README.md, section b55e629); with the copies made here, the weight's gradient in FP8 took
     7.5-11.8 ms off the step in three same-machine pairs (section 371311c). Off CUDA the torch ops of qkv_prep and
     qkv_prep_grad_fp8, and torch's transposing copies."""
 
