@@ -48,7 +48,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from model.transpose_kernels import transpose_into
+from model.transpose_kernels import transposed_launch
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x log2(e)): exp2 is the GPU's native instruction
 _IGNORE_INDEX = tl.constexpr(-100)  # model.head.IGNORE_INDEX
@@ -167,6 +167,4 @@ def loss_and_unit_grad_fp8(logits_NV: Tensor, targets_N: Tensor, softcap: float,
     same bits): model.head.loss_and_unit_grad_fp8."""
     u8_NV = torch.empty(logits_NV.shape, dtype=torch.float8_e5m2, device=logits_NV.device)
     loss_N = _forward(logits_NV, targets_N, softcap, u8_NV, u_scale)[1]
-    u8t_VN = u8_NV.new_empty((u8_NV.size(1), u8_NV.size(0)))
-    transpose_into(u8_NV, u8t_VN)
-    return loss_N, u8_NV, u8t_VN
+    return loss_N, u8_NV, transposed_launch(u8_NV)

@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from model.attention import attend
-from model.fp8 import (NormedFP8Linear, delayed_scale, fp8_mm, grad_operands, normed_fp8_linear, normed_operands,
-                       normed_scale, relu2_scale, scale_of, to_e4m3)
+from model.fp8 import (NormedFP8Linear, delayed_scale, fp8_mm, grad_operands, k_major_weight, normed_fp8_linear,
+                       normed_operands, normed_scale, relu2_scale, scale_of, to_e4m3)
 
 try:  # the CUDA path's Triton kernels; CPU-only installs (CI) lack triton and run the torch ops below
     from model import embed_kernels, mlp_kernels, norm_kernels, qkv_kernels, skip_kernels, transpose_kernels
@@ -221,9 +221,9 @@ class FP8QKV(torch.autograd.Function):
         g8_MN, g_scale, grad_lambdas, grad_v_first, grad_ve = (
             qkv_kernels.qkv_prep_grad_fp8 if ctx.on_kernels else qkv_prep_grad_fp8)(
             grad_q, grad_k, grad_v, qkv_BT3Hd, cos_TP, sin_TP, lambdas, v_first_BTHd, ve_BTA, grad_amax)
-        w_scale = scale_of(w_ND)
-        # fp8_mm's second operand is read (K, N) column-major: w's (N, K) e4m3 copy stored transposed, then viewed back
-        grad_x_MD = fp8_mm(g8_MN, to_e4m3(w_ND.t(), w_scale).contiguous().t(), g_scale, w_scale, ctx.x_dtype)
+        w8_DN, w_scale = k_major_weight(w_ND)
+        # fp8_mm's second operand is read (K, N) column-major: w's K-major e4m3 copy, viewed back
+        grad_x_MD = fp8_mm(g8_MN, w8_DN.t(), g_scale, w_scale, ctx.x_dtype)
         # w's gradient sums over the tokens (K = M): the gradient's copy transposed, and x's kept copy viewed back
         grad_w_ND = fp8_mm(transposed_copy(g8_MN, ctx.on_kernels), x8_DM.t(), g_scale, x_scale, w_ND.dtype)
         return (grad_x_MD.view(ctx.x_shape), grad_w_ND, None, None, None, grad_lambdas,
