@@ -63,12 +63,12 @@ def test_preset_batch_fits_one_and_eight_gpus(name, world_size):
 def test_short_preset_is_the_record_model_on_a_shorter_schedule():
     """The time-to-loss figures of bench/results are the record's model: the preset may change the batch, the
     schedule, Muon's coefficients (and how often it logs, as those runs did) only, and its momentum warm-up ends at
-    its last step (560, the runs' value)."""
+    its last step (580, the runs' value)."""
     short, record = TrainConfig(**PRESETS["short"]), TrainConfig()
     changed = {f for f in TrainConfig.__dataclass_fields__ if getattr(short, f) != getattr(record, f)}
     assert changed == {"batch_size", "num_iterations", "cooldown_frac", "momentum_warmup_steps", "val_loss_every",
                        "log_every", "muon_method"}
     assert short.log_every == 20
     assert model_config(short) == model_config(record)
-    assert derive(short, 1).momentum_warmup_steps == short.num_iterations == 560
+    assert derive(short, 1).momentum_warmup_steps == short.num_iterations == 580
     assert derive(short, 1).tokens_per_step == 3 * 48 * 1024
