@@ -111,7 +111,7 @@ PRESETS: dict[str, dict] = {
     # 1.037 on the proxy corpus). Polar Express then lowered 550 steps' loss by 0.005. With qkv's weight gradient in
     # FP8 too (371311c), seed 1 ended at 1.0254 after 560 steps, above the line (1.0157-1.0221 at the earlier FP8
     # steps). At that step 580 steps gave 1.0123, 1.0177, 1.0134 and 1.0107 for seeds 0-3 (560 steps: 1.0172, 1.0254,
-    # 1.0135, 1.0198), seed 1 in 120.8 s on a 1,740 MHz machine: 20 steps, about 4.6 s, bought a margin of 0.0076 in
+    # 1.0135, 1.0198), seed 1 in 120.8 s on a 1,740 MHz machine: 20 steps, about 4.5 s, bought a margin of 0.0076 in
     # the worst of four seeds (bench/results/README.md, section "580 steps"). Every run there logged every 20th step;
     # until e569653 (the lagged log) each such step synced.
     "short": dict(batch_size=3, num_iterations=580, cooldown_frac=0.9, momentum_warmup_steps=-1, val_loss_every=0,
