@@ -103,8 +103,8 @@ def main():
     for block_r, block_c, warps in TRANSPOSE_TILES:
         grid = (triton.cdiv(N, block_r), triton.cdiv(V, block_c))
         result["transpose_e5m2_ms"]["triton %dx%d, %d warps" % (block_r, block_c, warps)] = attempt(
-            lambda: transpose_kernels._transpose_kernel[grid](u8_NV, u8t_VN, N, V, BLOCK_R=block_r, BLOCK_C=block_c,
-                                                         num_warps=warps))
+            lambda: transpose_kernels._transpose_kernel[grid](u8_NV, u8t_VN, N, V, BLOCK_R=block_r,
+                                                              BLOCK_C=block_c, num_warps=warps))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -10,8 +10,8 @@ Why: a profiled step of 8c60c3c took 617 ms, with its kernels busy 509.5 ms, whe
 step's critical path. How long the GPU idles in an unprofiled step is unknown. py-spy samples the host from outside,
 at a cost to the step that was small at -r 50 (4bf3998's section: 601.92 ms/step under it, no pair). bench.run
 throughput logs every step, and the main thread reads each step's loss once the next step is queued
-(runtime.run.LossRecord.read): its seconds there are the GPU's lead over the host; near zero, the host limits the
-step.
+(runtime.run.LossRecord.read): its seconds there are the GPU's lead over the host; near zero, the host is less than
+a step ahead, and may be what limits the step (the recording cannot say whether the GPU idled).
 
 Only the timed steps count: from the end of the main thread's first validation (step 0's) to the start of its last
 (after the last step; bench.run throughput validates at these two only). With --idle, py-spy samples every thread at
@@ -122,6 +122,7 @@ def main():
         print("  seconds  share  our functions, inclusive")
         for function, seconds in inclusive.most_common(ROWS):
             print(f"  {seconds:7.2f}  {seconds / sampled:5.1%}  {function}")
+
 
 if __name__ == "__main__":
     main()
