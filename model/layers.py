@@ -387,8 +387,8 @@ class ReLU2MLP(torch.autograd.Function):
         h_scale, proj_scale = relu2_scale(fc8_FD, fc_scale), scale_of(proj_DF)
         if ctx.fp8_backward:
             h_MF, h8_MF, h8_FM = ops.relu2_matmul_fp8_t(x8_MD, fc8_FD, fc_scale, 1 / h_scale)
-            ctx.save_for_backward(x8_MD.t().contiguous(), normed_scale(x_MD), fc_DF, proj_DF, h_MF.type_as(x_MD),
-                                  h8_FM, h_scale, grad_amax)
+            ctx.save_for_backward(transposed_copy(x8_MD, on_kernels), normed_scale(x_MD), fc_DF, proj_DF,
+                                  h_MF.type_as(x_MD), h8_FM, h_scale, grad_amax)
         else:
             h_MF, h8_MF = ops.relu2_matmul_fp8(x8_MD, fc8_FD, fc_scale, 1 / h_scale)
             ctx.save_for_backward(x_MD, fc_DF, proj_DF, h_MF.type_as(x_MD))
@@ -409,7 +409,7 @@ class ReLU2MLP(torch.autograd.Function):
         # fp8_mm's second operand is read (K, N) column-major: the (N, K) row-major copies, transposed
         grad_x_MD = fp8_mm(g8_MF, to_e4m3(fc_DF, fc_scale).t(), g_scale, fc_scale, grad_y_MD.dtype)
         grad_fc_DF = fp8_mm(x8_DM, g8_FM.t(), x_scale, g_scale, fc_DF.dtype)
-        grad_proj_DF = fp8_mm(gy8_MD.t().contiguous(), h8_FM.t(), gy_scale, h_scale, proj_DF.dtype)
+        grad_proj_DF = fp8_mm(transposed_copy(gy8_MD, ctx.on_kernels), h8_FM.t(), gy_scale, h_scale, proj_DF.dtype)
         return grad_x_MD, grad_fc_DF, grad_proj_DF, grad_y_MD, None, None
 
 
