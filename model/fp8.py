@@ -33,10 +33,10 @@ scale. Its input gradient in FP8 took 6.34 ms off the step in two same-machine p
 section ed6e773), where the short speedrun reached 1.0181 and 1.0175 (seeds 0 and 1). Its weight gradient reads the
 same copy and x's e4m3 copy, each transposed by a kernel of its own (model/transpose_kernels.py): 7.52, 11.80 and
 11.35 ms less in three same-machine pairs (section 371311c). The short speedrun's seed 1 then ended 6.5e-5 above the
-target at 560 steps; at 580, the preset's steps since, seeds 0-3 reached 1.0123-1.0177 (section "580 steps"). The
-transposed copy written by QKVPrep's kernel itself had cost more than the product saves, 7.5-8.2 ms a step, and was
-wrong on the GPU (section b55e629; bench/results/fp8_qkv_backward_experiment.patch). The output projection's products
-stay bf16.
+target at 560 steps; at 580, the preset's steps since, seeds 0-3 reached 1.0123-1.0177 (section "580 steps"), and
+1.0091-1.0142 since df03885 (section df03885). The transposed copy written by QKVPrep's kernel itself had cost more
+than the product saves, 7.5-8.2 ms a step, and was wrong on the GPU (section b55e629;
+bench/results/fp8_qkv_backward_experiment.patch). The output projection's products stay bf16.
 """
 import torch
 from torch import Tensor

@@ -373,8 +373,8 @@ class ReLU2MLP(torch.autograd.Function):
     x, the output gradient's copy is transposed once more, and the first backward kernel writes the pre-activation's
     gradient only as e4m3 copies, in both layouts, at grad_amax's delayed scale (model/fp8.py's delayed_scale).
     x's and the output gradient's transposed copies are transposed_copy's: inductor fused its own copy of x's into
-    the norm before the MLP, a looped reduction; with the transposing kernel the step took 5.93 and 2.01 ms less in
-    two same-machine pairs (bench/results/README.md, section eacf029)."""
+    the norm before the MLP, a looped reduction; with the transposing kernel the step took 5.93, 2.01, 5.00 and
+    6.41 ms less in four same-machine pairs (bench/results/README.md, sections eacf029 and df03885)."""
 
     @staticmethod
     def forward(ctx, x_MD: Tensor, fc_DF: Tensor, proj_DF: Tensor, r_MD: Tensor, fp8: bool,

@@ -113,7 +113,8 @@ PRESETS: dict[str, dict] = {
     # steps). At that step 580 steps gave 1.0123, 1.0177, 1.0134 and 1.0107 for seeds 0-3 (560 steps: 1.0172, 1.0254,
     # 1.0135, 1.0198), seed 1 in 120.8 s on a 1,740 MHz machine: 20 steps, about 4.5 s, bought a margin of 0.0076 in
     # the worst of four seeds (bench/results/README.md, section "580 steps"). Every run there logged every 20th step;
-    # until e569653 (the lagged log) each such step synced.
+    # until e569653 (the lagged log) each such step synced. Since df03885 (the MLP's transposed copies, other
+    # roundings): 1.0091, 1.0142, 1.0116 and 1.0092 in 117.7-121.2 s (section df03885).
     "short": dict(batch_size=3, num_iterations=580, cooldown_frac=0.9, momentum_warmup_steps=-1, val_loss_every=0,
                   log_every=20, muon_method="polar_express"),
     # The larger shapes keep every block complete (no_attention_layers="auto" cuts layer 7 at 12 layers only).
