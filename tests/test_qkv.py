@@ -155,8 +155,8 @@ def test_interpreted_fp8_kernel():
 
 @interpreted
 def test_interpreted_transposed_copy():
-    """FP8QKV's transposing copy (model/transpose_kernels.py) of an e4m3 tensor is its transpose, bit for bit, at a
-    size off both tiles: 100 rows = 64 + 36, 300 columns = 2 x 128 + 44."""
+    """The transposing copy (model/transpose_kernels.py: FP8QKV's, ReLU2MLP's and the head's) of an e4m3 tensor is
+    its transpose, bit for bit, at a size off both tiles: 100 rows = 64 + 36, 300 columns = 2 x 128 + 44."""
     from model import transpose_kernels
 
     t = (torch.randn(100, 300, generator=torch.Generator().manual_seed(0)) * 100).to(torch.float8_e4m3fn)
