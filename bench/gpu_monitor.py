@@ -1,12 +1,8 @@
 """The GPUs' clocks, power and temperature, sampled by nvidia-smi beside a benchmark run (bench/run.py), so that each
 figure carries the state of the machine that made it.
 
-Why: the same code has run up to 25 ms/step apart on different H200 machines (e1404cd's: 611.17 on one, 620.35 on
-another; bench/results/README.md), more than any one change moves it. On the two fastest machines the first steps
-also ran faster than the later ones (544-593 against 601-616 ms), and no clock was logged to say why. Its first
-runs said why (bench/results/README.md, db0e380): the step runs at the H200's 700 W power limit, with the SM clock
-near 1,650 MHz, and only its first second near the full 1,980. Sampling does not move the step: 621.23 ms with
-the monitor on, 621.19 with it off, four runs in turn.
+Why: the step runs at the GPU's power limit, so its time follows the SM clock a machine holds there, which differs
+between machines of one model by more than most changes move the step.
 
 A thread asks `nvidia-smi --query-gpu=...` every INTERVAL_S seconds, about the GPUs the run uses (`--id`, from
 CUDA_VISIBLE_DEVICES as run_gpus reads it; on a shared 8-GPU box the idle ones would otherwise sit in the figures);
@@ -14,8 +10,7 @@ each answer is one row per GPU. The summary covers the samples between two times
 compile warm-up and the last step's line: the teardown after it idles at full clock and would set the maximum), per
 GPU: the SM clock's median, minimum and maximum, the median power against the power limit, the highest temperature;
 and the whole series from the start. Where nvidia-smi is missing (CPU machines) or fails, the summary says why
-instead, and the run goes on: the monitor only watches. active_clock_reasons() asks `nvidia-smi -q` once what
-holds the clocks down now (bench/power.py, three quarters into each kernel's run).
+instead, and the run goes on: the monitor only watches.
 """
 import os
 import shutil
@@ -61,21 +56,6 @@ def failed(e: Exception) -> str:
     if isinstance(e, subprocess.CalledProcessError):
         return f"nvidia-smi exited with status {e.returncode}: {' '.join(e.stderr.split())[:200]}"
     return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-
-
-def active_clock_reasons(gpus: list[str] | None = None) -> list[str] | str:
-    """The reasons `nvidia-smi -q -d PERFORMANCE` reports active now, what holds the clocks down ("SW Power Cap",
-    "Idle", ...), over the GPUs with these ids (None: all); or why it could not say."""
-    executable = shutil.which("nvidia-smi")
-    if executable is None:
-        return "nvidia-smi not found"
-    try:
-        out = subprocess.run([executable, "-q", "-d", "PERFORMANCE", *id_args(gpus)], capture_output=True, text=True,
-                             timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        return failed(e)
-    reasons = [line.split(":")[0].strip() for line in out.splitlines() if line.strip().endswith(": Active")]
-    return list(dict.fromkeys(reasons))  # once each, in the order first seen
 
 
 def reported(values: list[float | None]) -> list[float]:

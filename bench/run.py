@@ -201,7 +201,9 @@ def main():
         "device": head["versions"].get("gpu", head["versions"]["device"]), "torch": head["versions"]["torch"],
         "world_size": args.nproc,
         "config": {"num_layers": mcfg["num_layers"], "model_dim": mcfg["model_dim"], "tokens_per_step": tokens_per_step,
-                   "micro_steps": cfg["batch_size"] // (cfg["device_batch_size"] * args.nproc),
+                   # --device_batch_size=0: all of a process's sequences in one micro-step
+                   "micro_steps": cfg["batch_size"] // ((cfg["device_batch_size"] or cfg["batch_size"] // args.nproc)
+                                                        * args.nproc),
                    "seq_len": cfg["seq_len"], "window_tokens": [cfg["window_min_tokens"], cfg["window_max_tokens"]],
                    "compile": cfg["compile"], "val_context": val_context(lines)},
         "startup_to_warm_s": round(warm, 1) if warm else None, "wall_s": round(wall, 1),

@@ -1,10 +1,7 @@
-"""bench/run.py: how per-step times and the validation context come out of a run's log, and the guard on too few
-timed steps; bench/gpu_monitor.py against a stand-in nvidia-smi; bench/gaps.py's sums on a small trace;
-bench/determinism.py's comparison, and the CPU path's repeats."""
+"""bench/run.py: how per-step times and the validation context come out of a run's log, the checks made before a
+run starts, and the harness end to end on the CPU; bench/gpu_monitor.py against a stand-in nvidia-smi."""
 import glob
-import importlib
 import json
-import math
 import os
 import subprocess
 import sys
@@ -12,11 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from bench.gpu_monitor import QUERY, GpuMonitor, active_clock_reasons
+from bench.gpu_monitor import QUERY, GpuMonitor
 from bench.run import MIN_STEPS, per_step_ms, val_context
-from runtime.errors import exit_on_user_error
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -108,8 +103,8 @@ def test_gpu_monitor_summarises_each_gpu_after_a_time(tmp_path, monkeypatch):
 
 
 def test_gpu_monitor_asks_only_for_the_gpus_of_the_run(tmp_path, monkeypatch):
-    """run_gpus: the first nproc of CUDA_VISIBLE_DEVICES (indices or UUIDs), else 0 .. nproc - 1; the monitor and
-    active_clock_reasons pass them to nvidia-smi as --id, and the summary holds those GPUs only."""
+    """run_gpus: the first nproc of CUDA_VISIBLE_DEVICES (indices or UUIDs), else 0 .. nproc - 1; the monitor passes
+    them to nvidia-smi as --id, and the summary holds those GPUs only."""
     from bench.gpu_monitor import run_gpus
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -128,8 +123,6 @@ def test_gpu_monitor_asks_only_for_the_gpus_of_the_run(tmp_path, monkeypatch):
     assert (tmp_path / "bin" / "nvidia-smi.args").read_text().split()[-1] == "--id=1"
     summary = monitor.summary()
     assert summary["gpu_ids"] == ["1"] and [gpu["index"] for gpu in summary["gpus"]] == [1]
-    assert active_clock_reasons(["0", "1"]) == []  # the stand-in reports no reason, and was asked for both
-    assert (tmp_path / "bin" / "nvidia-smi.args").read_text().split() == ["-q", "-d", "PERFORMANCE", "--id=0,1"]
 
 
 def test_gpu_monitor_says_why_it_has_no_samples(tmp_path, monkeypatch):
@@ -154,24 +147,6 @@ def test_gpu_monitor_leaves_out_what_the_driver_does_not_report(tmp_path, monkey
     (gpu,) = monitor.summary()["gpus"]
     assert gpu["sm_clock_mhz_median"] == 1980 and gpu["temperature_c_max"] == 61
     assert gpu["power_w_median"] is None and gpu["power_limit_w"] is None
-
-
-def test_active_clock_reasons_from_nvidia_smi_q(tmp_path, monkeypatch):
-    """The "... : Active" lines of `nvidia-smi -q -d PERFORMANCE` (its layout on the H200 machine, two GPUs), each
-    reason once; a failing or missing nvidia-smi gives the reason instead."""
-    gpu = ("    Clocks Event Reasons\n        Idle                              : Not Active\n"
-           "        SW Power Cap                      : {}\n        HW Slowdown                       : Not Active\n"
-           "            HW Thermal Slowdown           : {}\n    Clocks Event Reasons Counters\n"
-           "        SW Power Capping                  : 1234 us\n")
-    answer = "GPU 00000000:18:00.0\n" + gpu.format("Active", "Not Active") + "GPU 00000000:2A:00.0\n" + gpu.format(
-        "Active", "Active")
-    exe = fake_nvidia_smi(tmp_path / "bin", f"#!/bin/sh\ncat <<'END'\n{answer}END\n")
-    monkeypatch.setenv("PATH", f"{exe.parent}{os.pathsep}{os.environ['PATH']}")  # the stand-in first; cat after it
-    assert active_clock_reasons() == ["SW Power Cap", "HW Thermal Slowdown"]
-    fake_nvidia_smi(tmp_path / "bin", "#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
-    assert active_clock_reasons() == "nvidia-smi exited with status 9: NVIDIA-SMI has failed"
-    monkeypatch.setenv("PATH", str(tmp_path))
-    assert active_clock_reasons() == "nvidia-smi not found"
 
 
 @pytest.mark.parametrize("args,message", [
@@ -247,266 +222,12 @@ def test_speedrun_on_the_cpu_writes_its_rows_and_keeps_the_run_folder(tmp_path):
     assert {"log.txt", "metrics.jsonl"} <= {p.name for p in run_folder.iterdir()}
 
 
-def test_gaps_sums_the_idle_gpu_by_the_launch_after_it(tmp_path, monkeypatch, capsys):
-    """bench/gaps.py on a two-kernel trace: one 50 us gap, before the kernel that aten::add launched 5 us before it
-    started (the GPU waited for that launch)."""
-    from bench import gaps
-
-    def launch(ts, corr):
-        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "pid": 1, "tid": 1,
-                "args": {"correlation": corr}}
-
-    events = [{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 10, "pid": 1, "tid": 1}, launch(5, 1),
-              {"cat": "cpu_op", "name": "aten::add", "ts": 100, "dur": 10, "pid": 1, "tid": 1}, launch(105, 2),
-              {"cat": "kernel", "name": "gemm", "ts": 10, "dur": 50, "args": {"correlation": 1}},
-              {"cat": "kernel", "name": "add", "ts": 110, "dur": 5, "args": {"correlation": 2}}]
-    trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"traceEvents": events}))
-    monkeypatch.setattr(sys, "argv", ["gaps", str(trace)])
-    gaps.main()
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "span 0.1 ms, gaps > 2 us: 1, 0.05 ms"
-    assert "  gaps below 100 us: 1 totalling 0.05 ms" in lines
-    assert lines[-1] == "   0.05     1      5.0 | aten::add | add | gemm"
-
-
 def test_a_failed_run_shows_its_error_line(tmp_path):
     """The harness names the training script's own message, not only the console file that holds it."""
     proc = subprocess.run([sys.executable, "-m", "bench.run", "speedrun", "--data", str(tmp_path), "--out",
-                           str(tmp_path / "out.json"), "--", "--device=cpu"],
+                           str(tmp_path / "out.json"), "--", "--device=cpu", "--preset=tiny"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.startswith("train_gpt2.py failed with status 2 (error: no shard files match --train_files="), \
         proc.stderr
     assert f"; see {tmp_path / 'out.console.txt'}" in proc.stderr and not (tmp_path / "out.json").exists()
-
-
-@pytest.mark.parametrize("tool", ["bench.gaps", "bench.kernel_table"])
-def test_trace_tools_name_what_to_pass(tmp_path, tool, monkeypatch, capsys):
-    """Each wrong input gets one line that says what the tool reads, not a traceback."""
-    usage = f"usage: python -m {tool} RUN_DIR/profile_stepN.json (the trace of a GPU run with --profile_step=N)"
-    (tmp_path / "log.txt").write_text("step:1/2 train_loss:10.8\n")
-    (tmp_path / "other.json").write_text('{"a": 1}')
-    (tmp_path / "cpu.json").write_text(json.dumps({"traceEvents": [{"cat": "cpu_op", "name": "aten::mm", "ts": 0}]}))
-    cases = [([], usage), (["-h"], usage), ([str(tmp_path / "none.json")], "No such file or directory; usage"),
-             ([str(tmp_path)], "Is a directory; usage"), ([str(tmp_path / "log.txt")], "is not a torch.profiler trace"),
-             ([str(tmp_path / "other.json")], "is not a torch.profiler trace"),
-             ([str(tmp_path / "cpu.json")], "holds no GPU work: a CPU run's trace")]
-    module = importlib.import_module(tool)
-    for args, message in cases:
-        monkeypatch.setattr(sys, "argv", [tool, *args])
-        with pytest.raises(SystemExit) as exit_info:
-            exit_on_user_error(module.main)  # as `python -m` runs it
-        out, err = capsys.readouterr()
-        assert exit_info.value.code == 2 and err.startswith("error: ") and message in err, err
-        assert len(err.splitlines()) == 1 and out == ""
-
-
-def test_cold_profile_names_what_it_reads(tmp_path, monkeypatch, capsys):
-    from bench import cold_profile
-
-    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": []}))  # a Chrome trace, not a py-spy recording
-    # a recording of one process that never ran train(): py-spy was started without --subprocesses
-    recording = {"shared": {"frames": [{"name": "main"}, {"name": "launch"}]},
-                 "profiles": [{"name": "Process 7 Thread 7", "samples": [[0, 1]], "weights": [0.02]}]}
-    (tmp_path / "parent.json").write_text(json.dumps(recording))
-    for name, message in (("none.json", "none.json: No such file or directory"),
-                          ("trace.json", "trace.json is not a py-spy recording in speedscope format (-f speedscope)"),
-                          ("parent.json", "parent.json ran train_gpt2's train(): record with py-spy's "
-                                          "--subprocesses")):
-        monkeypatch.setattr(sys, "argv", ["cold_profile", str(tmp_path / name)])
-        with pytest.raises(SystemExit) as exit_info:
-            cold_profile.main()
-        err = capsys.readouterr().err
-        assert exit_info.value.code == 2 and message in err, err
-
-
-def test_cold_profile_splits_compile_seconds_by_caller():
-    """Compile seconds go to the innermost frame of our code above dynamo's _compile, and to train_gpt2.py's line
-    that led there, so the validation batch's compile of a block is told from a training step's."""
-    from bench import cold_profile
-
-    repo = "/r/"
-    frames = [{"name": "train", "file": "/r/train_gpt2.py", "line": 447},
-              {"name": "train_step", "file": "/r/train_gpt2.py", "line": 421},
-              {"name": "GPT.hidden_states", "file": "/r/model/gpt.py", "line": 270},
-              {"name": "_compile", "file": "/venv/torch/_dynamo/convert_frame.py", "line": 1},
-              {"name": "MuonAdam.step", "file": "/r/optim/optimizer.py", "line": 146},
-              {"name": "compile_fx_inner", "file": "/venv/torch/_inductor/compile_fx.py", "line": 2}]
-    profile = {"samples": [[0, 2, 3, 5], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 4, 3], [0, 1, 2]],
-               "weights": [0.5, 0.25, 0.25, 2.0, 9.0]}
-    assert cold_profile.compile_callers(profile, frames, repo) == {
-        ("_compile", "GPT.hidden_states (model/gpt.py:270) in train (train_gpt2.py:447)"): 0.5,
-        ("_compile", "GPT.hidden_states (model/gpt.py:270) in train_step (train_gpt2.py:421)"): 0.5,
-        ("_compile", "MuonAdam.step (optim/optimizer.py:146) in train_step (train_gpt2.py:421)"): 2.0}
-
-
-def test_host_profile_places_each_sample_in_our_code():
-    """Each sample's seconds go to the innermost frame of our code and the frame below it (none: native code), and
-    to each of our functions on its stack once; a virtual environment inside the checkout is not our code, and a
-    sample without our code counts only as sampled."""
-    from bench import host_profile
-
-    frames = [{"name": "train", "file": "/r/train_gpt2.py", "line": 296},
-              {"name": "train_step", "file": "/r/train_gpt2.py", "line": 198},
-              {"name": "backward", "file": "/r/.venv/lib/python3.11/site-packages/torch/autograd/__init__.py",
-               "line": 9},
-              {"name": "launch", "file": "/r/model/mlp_kernels.py", "line": 340},
-              {"name": "JITFunction.run", "file": "/venv/lib/python3.11/site-packages/triton/runtime/jit.py",
-               "line": 5},
-              {"name": "ReLU2MLP.backward", "file": "/r/model/layers.py", "line": 394}]
-    profile = {"samples": [[0], [0, 1, 2], [5, 3, 4], [5, 3], [2], [0, 1, 2]],
-               "weights": [0.5, 0.25, 0.125, 1.0, 2.0, 0.25]}
-    sampled, python, where, inclusive = host_profile.thread_tables(profile, frames, "/r/")
-    assert sampled == python == 4.125
-    assert where == {("train (train_gpt2.py:296)", "none"): 0.5,
-                     ("train_step (train_gpt2.py:198)", "backward (torch/autograd/__init__.py:9)"): 0.5,
-                     ("launch (model/mlp_kernels.py:340)", "JITFunction.run (triton/runtime/jit.py:5)"): 0.125,
-                     ("launch (model/mlp_kernels.py:340)", "none"): 1.0}
-    assert inclusive == {"train (train_gpt2.py)": 1.0, "train_step (train_gpt2.py)": 0.5,
-                         "launch (model/mlp_kernels.py)": 1.125, "ReLU2MLP.backward (model/layers.py)": 1.125}
-
-
-def test_host_profile_counts_the_timed_steps_only():
-    """The window runs from the end of the main thread's first validate() to the start of its last, in seconds
-    before the recording's end, and applies to every thread counted back from the end: a thread that started late
-    (the autograd engine's) is placed by its last samples."""
-    from bench import host_profile
-
-    frames = [{"name": "train", "file": "/r/train_gpt2.py", "line": 1},
-              {"name": host_profile.VALIDATE, "file": "/r/train_gpt2.py", "line": 2},
-              {"name": "GPT.forward", "file": "/r/model/gpt.py", "line": 3},
-              {"name": "ReLU2MLP.backward", "file": "/r/model/layers.py", "line": 4}]
-    # 10 ticks of 0.5 s: warm-up, validate x2, steps x5, validate x1; then one tick of exit
-    main = {"samples": [[0, 2], [0, 1], [0, 1], [0, 2], [0, 2], [0, 2], [0, 2], [0, 2], [0, 1], [0]],
-            "weights": [0.5] * 10}
-    assert host_profile.timed_window(main, frames) == (3.5, 1.0)
-    # the autograd thread's 6 ticks are the main thread's last 6: 4 in the window, one idle (only py-spy's thread
-    # frame, which has no file)
-    frames.append({"name": "thread (7)", "file": "", "line": 0})
-    autograd = {"samples": [[4, 3], [4, 3], [4, 3], [4], [4, 3], [4]], "weights": [0.5] * 6}
-    sampled, python, where, inclusive = host_profile.thread_tables(autograd, frames, "/r/", (3.5, 1.0))
-    assert (sampled, python) == (2.0, 1.5) and where == {("ReLU2MLP.backward (model/layers.py:4)", "none"): 1.5}
-    sampled, python, where, _ = host_profile.thread_tables(main, frames, "/r/", (3.5, 1.0))
-    assert sampled == python == 2.5 and where == {("GPT.forward (model/gpt.py:3)", "none"): 2.5}
-    with pytest.raises(ValueError, match="fewer than twice"):
-        host_profile.timed_window({"samples": main["samples"][:8], "weights": [0.5] * 8}, frames)
-
-
-def test_host_profile_reports_the_training_process_only(tmp_path, monkeypatch, capsys):
-    """A recording with --subprocesses holds bench.run's process too, whose frames are ours: only the threads of
-    the process that ran validate() are reported."""
-    from bench import host_profile
-
-    frames = [{"name": host_profile.VALIDATE, "file": "/r/train_gpt2.py", "line": 2},
-              {"name": "GPT.forward", "file": "/r/model/gpt.py", "line": 3},
-              {"name": "launch", "file": "/r/bench/run.py", "line": 4}]
-    profiles = [{"name": "Process 1 Thread 1", "samples": [[2]] * 5, "weights": [0.5] * 5},
-                {"name": "Process 2 Thread 2", "samples": [[0], [1], [1], [0]], "weights": [0.5] * 4},
-                {"name": "Process 2 Thread 3", "samples": [[1], [1]], "weights": [0.5] * 2}]
-    (tmp_path / "host.json").write_text(json.dumps({"shared": {"frames": frames}, "profiles": profiles}))
-    monkeypatch.setattr(sys, "argv", ["host_profile", str(tmp_path / "host.json"), "--repo", "/r/"])
-    host_profile.main()
-    out = capsys.readouterr().out
-    assert out.startswith("the timed steps: 1.00 s, from 1.50 to 0.50 s before the recording's end\n")
-    assert "Process 2 Thread 2: 1.00 s sampled" in out and "Process 2 Thread 3: 0.50 s sampled" in out
-    assert "Process 1" not in out and "bench/run.py" not in out
-
-
-def test_host_profile_names_what_it_reads(tmp_path, monkeypatch, capsys):
-    from bench import host_profile
-
-    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": []}))
-    frames = [{"name": "main", "file": "/elsewhere/x.py", "line": 1},
-              {"name": host_profile.VALIDATE, "file": "/r/train_gpt2.py", "line": 2}]
-    for file, samples in (("foreign.json", [[0]]), ("once.json", [[0], [1], [0]])):
-        recording = {"shared": {"frames": frames},
-                     "profiles": [{"name": "Thread 7", "samples": samples, "weights": [0.01] * len(samples)}]}
-        (tmp_path / file).write_text(json.dumps(recording))
-    for file, message in (("none.json", "none.json: No such file or directory"),
-                          ("trace.json", "trace.json is not a py-spy recording in speedscope format"),
-                          ("foreign.json", "ran train_gpt2's validate(): record the whole run"),
-                          ("once.json", "once.json: the main thread ran validate() fewer than twice")):
-        monkeypatch.setattr(sys, "argv", ["host_profile", str(tmp_path / file), "--repo", "/r/"])
-        with pytest.raises(SystemExit) as exit_info:
-            host_profile.main()
-        err = capsys.readouterr().err
-        assert exit_info.value.code == 2 and message in err, err
-
-
-def test_determinism_names_the_gradients_that_differ_between_repeats():
-    """bench/determinism.py's comparison: a repeat's loss and each gradient against the first repeat's, bit for bit
-    (a NaN where the first has one is equal; a NaN where it has a number is not)."""
-    from bench.determinism import differences
-    first = {"a": torch.tensor([1.0, 2.0, float("nan")]), "b": torch.zeros(4)}
-    same = {name: t.clone() for name, t in first.items()}
-    moved = {"a": torch.tensor([1.0, 2.0 + 2 ** -22, float("nan")]), "b": torch.tensor([0.0, float("nan"), 0, 0])}
-    report = differences([(2.5, first), (2.5, same), (2.5000002, moved)])
-    assert report[0] == {"loss": 2.5, "loss_equal": True, "gradients_differing": []}
-    assert report[1]["loss_equal"] is False
-    a, b = report[1]["gradients_differing"]
-    assert (a["parameter"], a["elements"], a["of"], a["max_abs_diff"]) == ("a", 1, 3, 2 ** -22)
-    assert (b["parameter"], b["elements"]) == ("b", 1) and math.isnan(b["max_abs_diff"])
-    with pytest.raises(RuntimeError, match=r"\['b'\]"):
-        differences([(2.5, first), (2.5, {"a": first["a"]})])
-
-
-def test_the_cpu_path_repeats_a_micro_batch_bit_for_bit(tmp_path):
-    """The smoke model's forward and backward on the CPU, three times in one process and once more in another: the
-    same loss and the same bits in every gradient (the golden-loss test relies on it), and the same digests of the
-    weights, loss, gradients and buffers in both processes."""
-    out, a, b = tmp_path / "determinism.json", tmp_path / "a.json", tmp_path / "b.json"
-    run = [sys.executable, "-m", "bench.determinism", "--device", "cpu"]
-    subprocess.run(run + ["--repeats", "3", "--digests", str(a)], cwd=REPO, check=True, capture_output=True)
-    subprocess.run(run + ["--digests", str(b), "--against", str(a), "--out", str(out)], cwd=REPO, check=True,
-                   capture_output=True)
-    first = json.loads(a.read_text())
-    assert list(first)[0].startswith("weight ") and "loss" in first and "buffer blocks.0.mlp.grad_amax" in first
-    assert json.loads(b.read_text()) == first
-    report = json.loads(out.read_text())
-    assert report["against"] == {"file": str(a), "of": len(first), "differing": []}
-    a.write_text(json.dumps({name: "0" * 64 for name in first}))  # another process whose every digest differs
-    result = subprocess.run(run + ["--against", str(a)], cwd=REPO, check=True, capture_output=True, text=True)
-    assert f"{len(first)} of {len(first)} digests differ\n    {list(first)[0]}\n" in result.stdout
-
-
-def test_determinism_digests_name_what_differs_between_processes():
-    """bench/determinism.py's digests: one changed bit in one weight, the loss or one buffer is named; files of two
-    model configs are refused."""
-    from bench.determinism import digests, digests_differing
-    weights, grads, buffers = {"w": torch.ones(3)}, {"w": torch.zeros(3)}, {"amax": torch.tensor(0.5)}
-    mine = digests(weights, 2.5, grads, buffers)
-    assert list(mine) == ["weight w", "loss", "gradient w", "buffer amax"]
-    assert digests_differing(mine, digests(weights, 2.5, grads, {"amax": torch.tensor(0.5)})) == []
-    moved = torch.ones(3)
-    moved.view(torch.int32)[1] += 1  # the next float up
-    assert digests_differing(mine, digests({"w": moved}, 2.5000001, grads, {"amax": torch.tensor(-0.5)})) == [
-        "weight w", "loss", "buffer amax"]
-    with pytest.raises(RuntimeError, match=r"\['gradient v'\]"):
-        digests_differing(mine, digests(weights, 2.5, {"v": torch.zeros(3)}, buffers) | {"gradient w": "x"})
-
-
-def test_determinism_repeats_start_from_the_same_gradient_history():
-    """The MLPs' FP8 backward records each gradient's amax for the next pass's scale: bench/determinism.py's repeats
-    start from the same recorded values, else every repeat after the first would differ by design. On the CPU the
-    FP8 path runs in torch ops when set by hand (use_device_paths keeps it for Hopper GPUs)."""
-    from bench.determinism import differences, repeats
-    from model.config import GPTConfig
-    from model.gpt import GPT
-    from runtime.dist import use_device_paths
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(num_layers=2, model_dim=64, num_heads=2, head_dim=32, num_value_embeds=1, vocab_size=128,
-                        bos_id=0))
-    model.init_weights()
-    use_device_paths(model, torch.device("cpu"))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.abs().max() == 0:  # W2's zero init would leave the gradient that the history records at 0
-                p.normal_(0, 0.02)
-    for block in model.blocks:
-        block.mlp.fp8 = block.mlp.fp8_backward = True
-    tokens = torch.randint(0, 128, (1, 257), generator=torch.Generator().manual_seed(1))
-    results = repeats(model, tokens[:, :-1].int(), tokens[:, 1:].long(), torch.tensor(128), 3)
-    assert [r["gradients_differing"] for r in differences(results)] == [[], []]
-    assert all(b.mlp.grad_amax.item() > 0 for b in model.blocks)
