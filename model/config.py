@@ -1,43 +1,37 @@
-"""The model's shape and options (GPTConfig) and what follows from them alone: which layers attend over which
-window, how far back the model sees, its FLOPs per token. Plain Python, no torch: the run's config
-(runtime/config.py) checks the flags with these before torch loads, which took 10-12 s on the H200 image where run.sh
-asks it first, and the benchmark harness (bench/run.py) counts MFU with them."""
+"""The model's shape and options (GPTConfig) and what follows from them alone: windows per layer, receptive field,
+FLOPs per token. No torch, so that the run's flag checks can use them before torch loads."""
 
 import math
 from dataclasses import dataclass
 
 
 def value_embed_layers(k: int, num_value_embeds: int, num_layers: int) -> set[int]:
-    """The layers value embedding k feeds: layer k and layer L - n + k (record #28; GPTConfig.value_embed_index)."""
+    """The layers value embedding k feeds: k and L - n + k (record #28)."""
     return {k, num_layers - num_value_embeds + k}
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    vocab_size: int = 50304  # GPT-2's 50,257 tokens padded to a multiple of 128 for matmul efficiency
+    vocab_size: int = 50304  # GPT-2's 50,257 padded to a multiple of 128
     num_layers: int = 12  # GPT-2 small depth
     model_dim: int = 768  # GPT-2 small width
-    num_heads: int = 6  # 6 heads of 128 (modded-nanogpt), not GPT-2's 12 of 64
-    head_dim: int = 128  # per-head width; a multiple of 4 (half-truncated RoPE splits its pairs in two)
-    mlp_ratio: int = 4  # MLP width / model width, as in GPT-2
-    # cap * tanh(logits / cap): Gemma 2's softcap at modded-nanogpt's value since its record of 2025-01-04 (30 -> 15
-    # cut the steps by 7%); record #28 writes it as 30 * sigmoid(logits / 7.5), the same softmax
+    num_heads: int = 6  # modded-nanogpt's 6 heads of 128
+    head_dim: int = 128  # a multiple of 4 (half-truncated RoPE)
+    mlp_ratio: int = 4  # MLP width / model width
+    # cap * tanh(logits / cap) (Gemma 2) at modded-nanogpt's value
     logit_softcap: float = 15.0
-    num_value_embeds: int = 3  # value embeddings shared by the first and last layers (record #28); 0 disables
-    value_residual: bool = False  # mix the first layer's values into every later one's (Zhou et al. 2024); not in #28
-    rope_base: float = 1024.0  # slowest rotary frequency is 1/rope_base (modded-nanogpt), not RoPE's 10,000
-    attn_scale: float = 0.12  # softmax scale instead of 1/sqrt(head_dim): modded-nanogpt, tuned with QK-norm
-    block_size: int = 128  # FlexAttention tile in tokens; the sequence length must be a multiple of it
-    bos_id: int = 50256  # <|endoftext|>: starts every document, so attention never crosses it
-    # layers using the short window (half the long one); None = record #28's long/short pattern: long on every
-    # 4th layer counted from each end (12 layers: 0, 4 and 11, 7), short elsewhere
+    num_value_embeds: int = 3  # value embeddings of the first and last layers (record #28)
+    value_residual: bool = False  # layer 0's values in every later layer's (Zhou et al. 2024)
+    rope_base: float = 1024.0  # slowest rotary frequency 1/rope_base (modded-nanogpt)
+    attn_scale: float = 0.12  # softmax scale (modded-nanogpt, tuned with QK-norm)
+    block_size: int = 128  # FlexAttention tile; sequence lengths are multiples of it
+    bos_id: int = 50256  # <|endoftext|>, opening every document
+    # layers with the short (half) window; None: record #28's, long on every 4th layer from each end
     short_window_layers: tuple[int, ...] | None = None
-    # blocks without an MLP / without attention (record #28 drops layer 7's attention); empty = all complete
+    # blocks without an MLP / without attention (record #28 drops layer 7's attention)
     no_mlp_layers: tuple[int, ...] = ()
     no_attention_layers: tuple[int, ...] = ()
-    attn_gate: bool = True  # record #28's sparse per-head attention output gate (model/layers.py)
-    smear: bool = False  # add a gated share of each token's previous embedding row (layers.smear); not in #28
-    backout: bool = False  # add a learned multiple (init -0.2) of the mid-stream to the last block's output; not #28
+    backout: bool = False  # add a learned multiple of the mid-stream to the output (nanochat)
 
     def __post_init__(self):
         for name in ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size"):
@@ -87,7 +81,7 @@ class GPTConfig:
         return min(layer, self.num_layers - 1 - layer) % 4 != 0
 
     def value_embed_index(self, layer: int) -> int | None:
-        """Which value embedding layer `layer` uses: embedding k feeds layer k and layer L - n + k (record #28)."""
+        """The value embedding `layer` uses, or None (value_embed_layers)."""
         n, L = self.num_value_embeds, self.num_layers
         if layer < n:
             return layer
@@ -97,19 +91,18 @@ class GPTConfig:
 
 
 def short_window(window, block_size: int):
-    """The short-window layers' window: half the long one, rounded down to whole blocks, at least one block. `window`
-    is an int, or a tensor (the model's, so that a growing window never recompiles a graph)."""
+    """Half the long window (int or tensor), rounded down to whole blocks, at least one."""
     blocks = window // 2 // block_size
     return (blocks.clamp_min(1) if hasattr(blocks, "clamp_min") else max(blocks, 1)) * block_size
 
 
 def window_blocks(window, block_size: int):
-    """How many blocks a window (tensor or int) spans: ceil(window / block_size), the query's own block included."""
+    """ceil(window / block_size): the blocks a window spans, the query's own included."""
     return (window + block_size - 1) // block_size
 
 
 def attention_windows(config: GPTConfig, window: int) -> dict[int, int]:
-    """{layer: its window in tokens, whole blocks} for the layers with attention, when the long window is `window`."""
+    """{layer: its window in tokens, whole blocks} for the layers with attention."""
     long = window_blocks(window, config.block_size) * config.block_size
     short = short_window(window, config.block_size)
     return {i: short if config.is_short_window(i) else long
@@ -117,20 +110,14 @@ def attention_windows(config: GPTConfig, window: int) -> dict[int, int]:
 
 
 def receptive_field(config: GPTConfig, window: int) -> int:
-    """How many tokens before a position can change the model's output there (document starts aside). A window of
-    W tokens (whole blocks of S) reaches from the last token of a block to the first of the block W / S - 1 blocks
-    back; so the farthest path starts at the end of a block, each layer but one moves it W - S back, block end to
-    block end, and one layer W - 1, to a block's first token: sum(W - S) + S - 1. The smear reaches one token
-    further."""
+    """How many tokens before a position can change its output: sum(W - S) + S - 1 over the layers' windows."""
     S = config.block_size
     windows = attention_windows(config, window).values()
-    return (sum(w - S for w in windows) + S - 1 if windows else 0) + int(config.smear)
+    return sum(w - S for w in windows) + S - 1 if windows else 0
 
 
 def mean_context(seq_len: int, window: int, block_size: int) -> float:
-    """Mean number of keys a query attends under the causal window of whole blocks (documents ignored): the query at
-    position p sees its p + 1 causal keys, less the whole blocks before its window. Counted per block, not per query
-    (a loop over 384 blocks instead of 49,152 queries), in integers: the division is the one rounding."""
+    """Mean number of keys a query attends under the window (documents ignored), counted per block."""
     earlier_blocks = window_blocks(window, block_size) - 1  # the window's blocks before the query's own
     keys = seq_len * (seq_len + 1) // 2
     for block in range(-(-seq_len // block_size)):
@@ -140,15 +127,8 @@ def mean_context(seq_len: int, window: int, block_size: int) -> float:
 
 
 def flops_per_token(config: GPTConfig, seq_len: int, window: int) -> float:
-    """Training FLOPs per token (forward + backward) for MFU, in the PaLM convention (Chowdhery et al. 2022, app. B):
-
-        6 * N_matmul  +  sum over layers of 12 * A * C_layer
-
-    N_matmul counts the weights used in matmuls (block matrices and the head; embedding lookups are free): 2 FLOPs
-    per weight per token forward, 4 backward. Attention's QK^T and AV each cost 2 * A * C forward per token, times
-    3 for training, where C is the mean number of attended keys under the layer's causal window (`mean_context`;
-    document boundaries are data-dependent and ignored, so this is an upper bound on useful work).
-    """
+    """Training FLOPs per token in the PaLM convention (Chowdhery et al. 2022, app. B): 6 N_matmul + sum over layers
+    of 12 A C, C the mean attended keys (`mean_context`)."""
     D, A = config.model_dim, config.num_heads * config.head_dim
     windows = attention_windows(config, window)
     mlp_layers = config.num_layers - len(config.no_mlp_layers)

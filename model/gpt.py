@@ -1,144 +1,260 @@
-"""The speedrun GPT (modded-nanogpt style): the model and its parameter groups. Its config (GPTConfig), the window
-rules and the FLOPs per token for MFU are in model/config.py.
+"""The speedrun GPT in plain PyTorch: this file is the architecture.
 
-Shape legend: B batch rows, T tokens, D model dim, H heads, d head dim, A = H * d attention width, V vocab,
-P = d // 2 rotary pairs.
+    tokens -> embedding -> x0 = norm(rows)
+           -> U-net of blocks: block i < L/2 feeds block L-1-i through a learned skip weight
+           -> norm -> untied head -> c tanh(z / c) softcap -> cross-entropy
+
+    block: x = l0 x + l1 x0;  x += Attention(norm(x));  x += MLP(norm(x))
+
+Attention has QK-norm, half-truncated rotary embeddings, value embeddings, document-causal sliding windows
+(model/attention.py) and a sigmoid gate per head; the MLP is ReLU² (So et al. 2021); both output projections start
+at zero. Norms are RMSNorm without a gain; fp32 weights are cast to the activations' dtype where used.
+
+Shape legend: B batch rows, T tokens, D model dim, H heads, d head dim, A = H d attention width, F MLP width,
+V vocab, P = d / 2 rotary pairs, G gate channels, N = B T tokens.
 """
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask
 
-from model.attention import block_mask, dense_mask, document_ids
+from model.attention import attend, block_mask, dense_mask, document_ids
 from model.config import GPTConfig, short_window
-from model.head import Head
-from model.layers import (SMEAR_GATE_CHANNELS, Block, FanOut, SkipAdd, TableRows, add_all, norm, rotary_tables,
-                          smear, sort_ids)
 
+IGNORE_INDEX = -100  # targets equal to this carry no loss (F.cross_entropy's default)
+GATE_FRACTION = 64  # the attention gate reads the first D / 64 channels (record #28)
+BACKOUT_INIT = 0.2  # the backout starts by taking out 0.2 of the mid-stream (nanochat)
+ATTENTION_BACKENDS = ("flex", "sdpa")
+FLEX_MIN_HEAD_DIM = 16  # FlexAttention's GPU kernels need head dims of at least 16
 REDUCTIONS = ("mean", "sum", "none")
-BACKENDS = ("flex", "sdpa")
-FLEX_MIN_HEAD_DIM = 16  # FlexAttention's GPU kernels: "embedding dimension ... must be at least 16"
-BACKOUT_INIT = 0.2  # the backout takes out 0.2 of the mid-stream at init (nanochat's backout_lambda)
-# Inductor options under which two processes compiling the same regions make the same kernels. By default three of
-# its choices are made by timing candidates on the GPU at a process's first run, so they can differ between processes,
-# and all change results: whether to pad a matmul's odd sizes (the attention gate's weight gradient, (6, 49152) @
-# (49152, 12), was padded to (8, 49152) @ (49152, 16) in one process and not in the other); a reduction's launch
-# configuration, whose block over the reduced dim orders its sum (the MLP's norm fused with x's transposed e4m3 copy
-# took blocks of 512 in one process and of 32 in the other); and, for a reduction whose threads use many registers, a
-# copy with half the block that dynamic_scale_rblock adds as a second candidate. On the H200, with the first two off,
-# processes still fell into variants that each kept (4 processes: 2 variants); with the third off too, six processes
-# (one cold, five on its cache) gave the same loss, gradients and buffers, two 12-step runs started at once the same
-# losses at every step, and the step took 569.9 ms against 570.2 without it (bench/results/README.md, sections
-# de9c191 and d00ab85).
-REPEATABLE_COMPILE = {"shape_padding": False, "test_configs.force_filter_reduction_configs": True,
-                      "dynamic_scale_rblock": False}
+
+
+def norm(x: Tensor) -> Tensor:
+    """RMSNorm over the last dim, without a learned gain (modded-nanogpt)."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos, sin (T, P) in fp32 for half-truncated RoPE: half of the pairs turn, at frequencies 1 to 1/base; the
+    others stay still and carry position-free content."""
+    turning = head_dim // 4
+    freqs_P = torch.cat([base ** -torch.linspace(0, 1, turning, dtype=torch.float32, device=device),
+                         torch.zeros(head_dim // 2 - turning, dtype=torch.float32, device=device)])
+    angles_TP = torch.arange(seq_len, dtype=torch.float32, device=device)[:, None] * freqs_P[None, :]
+    return angles_TP.cos(), angles_TP.sin()
+
+
+def apply_rotary(x_BTHd: Tensor, cos_TP: Tensor, sin_TP: Tensor) -> Tensor:
+    """Rotates each pair (x[j], x[j + P]) by angle[t, j], in fp32."""
+    x1, x2 = x_BTHd.float().chunk(2, dim=-1)
+    cos, sin = cos_TP[None, :, None, :], sin_TP[None, :, None, :]
+    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x_BTHd)
+
+
+def prepare_qkv(qkv_BT3Hd: Tensor, cos_TP: Tensor, sin_TP: Tensor, lambdas: Tensor, v_first_BTHd: Tensor | None,
+                ve_BTA: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v (B, T, H, d) from the projection's output (B, T, 3H, d): q and k normed (QK-norm, Dehghani et al.
+    2023) and rotated; v = own v + first v_first + embed ve, (own, first, embed) = lambdas, absent terms left out
+    (v_first: layer 0's values, the value residual of Zhou et al. 2024; ve: a value embedding)."""
+    q_BTHd, k_BTHd, v_BTHd = qkv_BT3Hd.chunk(3, dim=2)
+    q_BTHd = apply_rotary(norm(q_BTHd), cos_TP, sin_TP)
+    k_BTHd = apply_rotary(norm(k_BTHd), cos_TP, sin_TP)
+    own, first, embed = lambdas.type_as(qkv_BT3Hd).unbind()
+    v_BTHd = own * v_BTHd
+    if v_first_BTHd is not None:
+        v_BTHd = v_BTHd + first * v_first_BTHd
+    if ve_BTA is not None:
+        v_BTHd = v_BTHd + embed * ve_BTA.view(v_BTHd.shape)
+    return q_BTHd, k_BTHd, v_BTHd
+
+
+def uniform_(w: Tensor, std: float) -> None:
+    bound = math.sqrt(3.0) * std  # a uniform on [-b, b] has std b / sqrt(3)
+    nn.init.uniform_(w, -bound, bound)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+        attn_dim = num_heads * head_dim
+        # q, k, v as one (3, A, D) parameter; Muon orthogonalises each matrix
+        self.qkv_w = nn.Parameter(torch.empty(3, attn_dim, dim))
+        self.proj_w = nn.Parameter(torch.empty(dim, attn_dim))
+        # weights of (own values, layer 0's values, value embedding)
+        self.value_lambdas = nn.Parameter(torch.empty(3))
+        # each head's output times sigmoid(w_h . x[:G]) (record #28)
+        self.gate_w = nn.Parameter(torch.empty(num_heads, max(1, dim // GATE_FRACTION)))
+
+    def init_weights(self) -> None:
+        uniform_(self.qkv_w, 0.5 * self.qkv_w.size(-1) ** -0.5)  # std 0.5 / sqrt(fan_in), modded-nanogpt
+        nn.init.zeros_(self.proj_w)  # each block starts as the identity
+        nn.init.constant_(self.value_lambdas, 0.5)
+        nn.init.zeros_(self.gate_w)  # every gate starts half open
+
+    def attend_and_project(self, q_BTHd: Tensor, k_BTHd: Tensor, v_BTHd: Tensor, gate_in_BTG: Tensor,
+                           mask: BlockMask | Tensor) -> Tensor:
+        """Attention of q, k, v (B, T, H, d) under `mask`, heads gated by sigmoid(w_h . gate_in), to (B, T, D)."""
+        y_BHTd = attend(q_BTHd.transpose(1, 2), k_BTHd.transpose(1, 2), v_BTHd.transpose(1, 2), mask, self.scale)
+        gate_BTH = torch.sigmoid(F.linear(gate_in_BTG, self.gate_w.type_as(gate_in_BTG)))
+        y_BTA = (y_BHTd.transpose(1, 2) * gate_BTH[..., None]).flatten(2)
+        return F.linear(y_BTA, self.proj_w.type_as(y_BTA))
+
+    def forward(self, x_BTD: Tensor, v_first_BTHd: Tensor | None, ve_BTA: Tensor | None, cos_TP: Tensor,
+                sin_TP: Tensor, mask: BlockMask | Tensor) -> tuple[Tensor, Tensor]:
+        """(output (B, T, D), this layer's values (B, T, H, d)) for the normed x."""
+        B, T, _ = x_BTD.shape
+        qkv_BT3Hd = F.linear(x_BTD, self.qkv_w.flatten(0, 1).type_as(x_BTD)).view(B, T, 3 * self.num_heads, -1)
+        q, k, v = prepare_qkv(qkv_BT3Hd, cos_TP, sin_TP, self.value_lambdas, v_first_BTHd, ve_BTA)
+        return self.attend_and_project(q, k, v, x_BTD[..., :self.gate_w.size(1)], mask), v
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        # both stored (D, F) as record #28's c_fc: one Muon stack, with the tall-matrix scale 1 its learning rate uses
+        self.fc_w = nn.Parameter(torch.empty(dim, hidden_dim))
+        self.proj_w = nn.Parameter(torch.empty(dim, hidden_dim))
+
+    def init_weights(self) -> None:
+        uniform_(self.fc_w, 0.5 * self.fc_w.size(0) ** -0.5)
+        nn.init.zeros_(self.proj_w)
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        return F.relu(x_BTD @ self.fc_w.type_as(x_BTD)).square() @ self.proj_w.type_as(x_BTD).t()
+
+
+def x0_mix(x_BTD: Tensor, x0_BTD: Tensor, lambdas: Tensor) -> Tensor:
+    """lambdas[0] x + lambdas[1] x0: each block's shortcut to the normed embedding x0."""
+    mix = lambdas.type_as(x_BTD)
+    return mix[0] * x_BTD + mix[1] * x0_BTD
+
+
+class Block(nn.Module):
+    """x0 mix, attention, MLP, either of which may be absent (record #28 drops layer 7's attention). Per-layer
+    inputs arrive as arguments, so blocks share one compiled graph per presence pattern."""
+
+    def __init__(self, config: GPTConfig, layer: int):
+        super().__init__()
+        D = config.model_dim
+        has_attention = layer not in config.no_attention_layers
+        self.attn = self.make_attention(D, config.num_heads, config.head_dim, config.attn_scale) \
+            if has_attention else None
+        self.mlp = self.make_mlp(D, config.mlp_ratio * D) if layer not in config.no_mlp_layers else None
+        # only the layer whose values later layers read returns them
+        self.shares_values = has_attention and layer == 0 and config.value_residual
+        self.lambdas = nn.Parameter(torch.empty(2))  # weights of (residual stream, x0): modded-nanogpt's shortcut
+
+    make_attention, make_mlp = Attention, MLP  # model/fast's blocks build their own parts
+
+    def init_weights(self) -> None:
+        for part in (self.attn, self.mlp):
+            if part is not None:
+                part.init_weights()
+        with torch.no_grad():
+            self.lambdas.copy_(torch.tensor([1.0, 0.0]))  # start as a plain residual stream
+
+    def forward(self, x_BTD: Tensor, x0_BTD: Tensor, v_first_BTHd: Tensor | None, ve_BTA: Tensor | None,
+                cos_TP: Tensor, sin_TP: Tensor, mask: BlockMask | Tensor) -> tuple[Tensor, Tensor | None]:
+        """(the residual stream after the block (B, T, D), its values if it shares them, else None)."""
+        x_BTD = x0_mix(x_BTD, x0_BTD, self.lambdas)
+        v_BTHd = None
+        if self.attn is not None:
+            y_BTD, v_BTHd = self.attn(norm(x_BTD), v_first_BTHd, ve_BTA, cos_TP, sin_TP, mask)
+            x_BTD = x_BTD + y_BTD
+        if self.mlp is not None:
+            x_BTD = x_BTD + self.mlp(norm(x_BTD))
+        return x_BTD, v_BTHd if self.shares_values else None
+
+
+def capped(logits: Tensor, softcap: float) -> Tensor:
+    """softcap * tanh(logits / softcap) (Gemma 2) in fp32 or wider."""
+    return softcap * torch.tanh(logits.to(torch.promote_types(logits.dtype, torch.float32)) / softcap)
+
+
+class Head(nn.Module):
+    """Final norm, untied projection to the vocabulary, tanh softcap, cross-entropy in fp32."""
+
+    def __init__(self, dim: int, vocab_size: int, softcap: float):
+        super().__init__()
+        self.softcap = softcap
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim))
+
+    def logits(self, x_BTD: Tensor) -> Tensor:
+        """Capped fp32 logits (B, T, V); the product runs in x's dtype."""
+        return capped(F.linear(norm(x_BTD), self.weight.type_as(x_BTD)), self.softcap)
+
+    def forward(self, x_BTD: Tensor, targets_BT: Tensor, reduction: str) -> Tensor:
+        """Cross-entropy over targets != IGNORE_INDEX: a scalar, or (B, T) for "none"."""
+        loss_N = F.cross_entropy(self.logits(x_BTD).flatten(0, 1), targets_BT.flatten(), ignore_index=IGNORE_INDEX,
+                                 reduction="none")
+        return reduce_loss(loss_N, targets_BT, reduction)
+
+
+def reduce_loss(loss_N: Tensor, targets_BT: Tensor, reduction: str) -> Tensor:
+    if reduction == "none":
+        return loss_N.view_as(targets_BT)
+    if reduction == "sum":
+        return loss_N.sum()
+    return loss_N.sum() / (targets_BT != IGNORE_INDEX).sum()
 
 
 class GPT(nn.Module):
-    """The speedrun GPT.
-
-    Construction declares shapes only (it may run under `torch.device("meta")`, then `to_empty(device=...)`);
-    `init_weights()` draws the values from the default generator, so seed before calling it.
-
-    Set from outside: `attention_backend` ("flex": FlexAttention, forward-only on CPU; "sdpa": explicit mask,
-    small T, for CPU training) and `compute_dtype` (activation dtype, bf16 by default; fp32 for exact checks).
-
-    Compilation is regional and applied from outside (`compile_regions()` does exactly this, each compile with
-    options=REPEATABLE_COMPILE too, and the masks' with persistent reductions off as well):
-        model.embed_inputs = torch.compile(model.embed_inputs, dynamic=False, fullgraph=True)
-        model.attention_inputs = torch.compile(model.attention_inputs, dynamic=False, fullgraph=True)
-        for block in model.blocks: block.compile(dynamic=False, fullgraph=True)
-        model.head.compile(dynamic=False, fullgraph=True)
-        model.add_gradients = torch.compile(model.add_gradients, dynamic=False, fullgraph=True)
-        model.norm_rows = torch.compile(model.norm_rows, dynamic=False, fullgraph=True)
-        model.smear_rows = torch.compile(model.smear_rows, dynamic=False, fullgraph=True)  # with config.smear
-    All blocks share one signature, (x, x0, v_first, ve, cos, sin, mask), so they share compiled code, one graph per
-    presence pattern; every per-step value (the window) reaches them as a tensor, so schedules never recompile.
-    """
+    """The speedrun GPT. Construction declares shapes only (it may run on the meta device); `init_weights()` draws
+    the values from the default generator. `configure(device)` picks SDPA and fp32 on the CPU (FlexAttention has no
+    CPU backward), FlexAttention and bf16 activations on GPUs."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
         self.attention_backend = "flex"
         self.compute_dtype = torch.bfloat16
-        self.add_gradients = add_all  # sums x0's gradients (layers.FanOut); compile_regions compiles it
-        self.norm_rows = norm  # x0 from the embedding's rows (hidden_states); compile_regions compiles it
-        self.smear_rows = smear  # with config.smear, before norm_rows; compile_regions compiles it
         D, V, L = config.model_dim, config.vocab_size, config.num_layers
         attn_dim = config.num_heads * config.head_dim
-        # _weight=empty: skip nn.Embedding's own random init, so construction neither costs time nor draws from
-        # the generator (init_weights() alone decides the values)
+        # _weight=empty: no random init at construction
         self.embed = nn.Embedding(V, D, _weight=torch.empty(V, D))
         self.value_embeds = nn.ModuleList([nn.Embedding(V, attn_dim, _weight=torch.empty(V, attn_dim))
                                            for _ in range(config.num_value_embeds)])
-        self.blocks = nn.ModuleList([Block(D, config.num_heads, config.head_dim, config.mlp_ratio, config.attn_scale,
-                                           attention=i not in config.no_attention_layers,
-                                           mlp=i not in config.no_mlp_layers, attn_gate=config.attn_gate,
-                                           shares_values=i == 0 and config.value_residual)
-                                     for i in range(L)])
-        # U-net skips (modded-nanogpt): block i < L//2 feeds block L-1-i through a learned weight; a one-block
-        # model has none (an empty parameter would never get a gradient)
-        self.skip_weights = nn.Parameter(torch.empty(L // 2)) if L >= 2 else None
-        # the smear's gate over a row's first channels, and its weight: both zero at init, so a model with the smear
-        # starts as one without (sigmoid(0) = 1/2 times a weight 0); the weight's gradient opens it
-        self.smear_gate = nn.Parameter(torch.empty(min(SMEAR_GATE_CHANNELS, D))) if config.smear else None
-        self.smear_lambda = nn.Parameter(torch.empty(1)) if config.smear else None
-        # the backout (nanochat, later modded-nanogpt records): the stream entering block L // 2, times this weight,
-        # joins the last block's output, so the head can take out what the first half wrote
+        self.blocks = nn.ModuleList([self.make_block(config, i) for i in range(L)])
+        self.skip_weights = nn.Parameter(torch.empty(L // 2)) if L >= 2 else None  # U-net skips
+        # the backout (nanochat): plus a learned multiple of the middle block's input
         self.backout_weight = nn.Parameter(torch.empty(1)) if config.backout else None
-        self.head = Head(D, V, config.logit_softcap)  # untied from the embedding: its own storage
+        self.head = self.make_head(D, V, config.logit_softcap)
+        self.register_load_state_dict_pre_hook(_backend_state)
+
+    make_block, make_head = Block, Head  # model/fast's FastGPT builds its own
 
     def init_weights(self) -> None:
-        nn.init.normal_(self.embed.weight)  # N(0, 1), nn.Embedding's default as in modded-nanogpt
+        nn.init.normal_(self.embed.weight)  # N(0, 1), as in modded-nanogpt
         for emb in self.value_embeds:
             nn.init.normal_(emb.weight)
         for block in self.blocks:
             block.init_weights()
         if self.skip_weights is not None:
             nn.init.ones_(self.skip_weights)
-        if self.config.smear:
-            nn.init.zeros_(self.smear_gate)
-            nn.init.zeros_(self.smear_lambda)
-        if self.config.backout:
+        if self.backout_weight is not None:
             nn.init.constant_(self.backout_weight, -BACKOUT_INIT)
-        nn.init.zeros_(self.head.weight)  # zero-init head (modded-nanogpt): the first loss is exactly ln(V)
+        nn.init.zeros_(self.head.weight)  # zero-init head: the first loss is exactly ln(V)
+
+    def configure(self, device: torch.device) -> "GPT":
+        """Sets the attention backend and activation dtype for `device`; returns the model."""
+        if device.type == "cpu":
+            self.attention_backend, self.compute_dtype = "sdpa", torch.float32
+        return self
 
     def compile_regions(self, **kwargs) -> None:
-        """Compile the embedding lookups, the masks, x0's norm, each block and the head separately (regional
-        compilation); kwargs go to torch.compile. Compiled, the four lookups and their casts are one kernel."""
+        """torch.compile each block and the head (regional compilation)."""
         kwargs = {"dynamic": False, "fullgraph": True} | kwargs
-        takes_options = kwargs.get("backend", "inductor") == "inductor" and "mode" not in kwargs  # not with a mode
-        if takes_options:
-            kwargs = kwargs | {"options": REPEATABLE_COMPILE | kwargs.get("options", {})}
-        # All blocks share Block.forward, and dynamo's recompile limit (8) counts its graphs: one per presence
-        # pattern of the optional inputs, for training and again under no_grad (an evaluation). A layer is at most
-        # one pattern, so two graphs per layer always suffice, whatever inputs a block may go without.
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, 2 * self.config.num_layers)
-        self.embed_inputs = torch.compile(self.embed_inputs, **kwargs)
-        # Eager, the masks and rotary tables are some 90 small kernels per micro-batch, each shorter than its launch,
-        # and the GPU waited for them one by one; compiled, the step took 6.5 ms less on the H200 (30 steps' train
-        # time, bench/results/README.md, 6639e50). With persistent reductions, which sort rows of up to 512 in one
-        # Triton program, this graph took 110 s to compile cold there; without them 11 s, its sorts aten.sort calls.
-        mask_kwargs = kwargs
-        if takes_options:
-            mask_kwargs = kwargs | {"options": kwargs["options"] | {"triton.persistent_reductions": False}}
-        self.attention_inputs = torch.compile(self.attention_inputs, **mask_kwargs)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.blocks))
         for block in self.blocks:
             block.compile(**kwargs)
         self.head.compile(**kwargs)
-        self.add_gradients = torch.compile(self.add_gradients, **kwargs)  # one kernel reads all, writes the sum once
-        self.norm_rows = torch.compile(self.norm_rows, **kwargs)  # one kernel each way
-        if self.config.smear:
-            self.smear_rows = torch.compile(self.smear_rows, **kwargs)
 
     def param_groups(self) -> list[dict]:
-        """Parameters tagged for the optimizer, chosen by module structure: Muon for every matrix inside the
-        blocks ("hidden"), Adam for "embed", "value_embed", "head" and "scalar" (mixing weights). Empty groups
-        are left out."""
-        hidden = []
-        extras = (self.skip_weights, self.smear_gate, self.smear_lambda, self.backout_weight)
-        scalar = [p for p in extras if p is not None]
+        """Optimizer groups: Muon for the blocks' matrices ("hidden"), Adam for the rest; none empty."""
+        hidden, scalar = [], [p for p in (self.skip_weights, self.backout_weight) if p is not None]
         for block in self.blocks:
             for p in block.parameters():
                 (hidden if p.ndim >= 2 else scalar).append(p)
@@ -155,88 +271,89 @@ class GPT(nn.Module):
             "every parameter must be in exactly one group"
         return groups
 
+    def scale_histories(self) -> list[Tensor]:
+        """Buffers the backward updates per rank that ranks must agree on (model/fast's FP8 scales)."""
+        return []
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def hidden_states(self, inputs_BT: Tensor, window: Tensor) -> Tensor:
-        """The residual stream after the last block (B, T, D), in compute_dtype."""
-        cfg = self.config
-        B, T = inputs_BT.shape
-        if self.attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend={self.attention_backend!r}: use one of {BACKENDS}")
-        window = torch.as_tensor(window, dtype=torch.int64, device=inputs_BT.device)
+    def check_inputs(self, inputs_BT: Tensor) -> None:
+        """A ValueError for a sequence the attention backend cannot take."""
+        T = inputs_BT.size(1)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
         if self.attention_backend == "flex":
-            if T % cfg.block_size:
+            if T % self.config.block_size:
                 raise ValueError(f"sequence length {T} is not a multiple of the attention block size "
-                                 f"{cfg.block_size}: pick a seq_len that is (FlexAttention works in whole blocks)")
+                                 f"{self.config.block_size}: FlexAttention works in whole blocks")
             if inputs_BT.device.type == "cpu" and torch.is_grad_enabled():
-                raise ValueError("FlexAttention has no CPU backward: set model.attention_backend = 'sdpa' to train "
-                                 "on CPU, or run under torch.no_grad()")
-            if inputs_BT.is_cuda and cfg.head_dim < FLEX_MIN_HEAD_DIM:  # else a lowering error deep in inductor
-                raise ValueError(f"head_dim={cfg.head_dim}: FlexAttention's GPU kernels need at least "
+                raise ValueError("FlexAttention has no CPU backward: train on the CPU with attention_backend "
+                                 "'sdpa' (configure(device) sets it), or run under torch.no_grad()")
+            if inputs_BT.is_cuda and self.config.head_dim < FLEX_MIN_HEAD_DIM:
+                raise ValueError(f"head_dim={self.config.head_dim}: FlexAttention's GPU kernels need at least "
                                  f"{FLEX_MIN_HEAD_DIM}; use a larger head_dim")
+
+    def attention_inputs(self, inputs_BT: Tensor, window: Tensor) -> tuple[dict, Tensor, Tensor]:
+        """({is_short_window: mask}, cos, sin (T, P)) for one batch."""
+        cfg = self.config
+        doc_BT = document_ids(inputs_BT, cfg.bos_id)
+        make = block_mask if self.attention_backend == "flex" else dense_mask
+        masks = {short: make(doc_BT, w, cfg.block_size)
+                 for short, w in ((False, window), (True, short_window(window, cfg.block_size)))}
+        return masks, *rotary_tables(inputs_BT.size(1), cfg.head_dim, cfg.rope_base, inputs_BT.device)
+
+    def hidden_states(self, inputs_BT: Tensor, window: Tensor) -> Tensor:
+        """The residual stream after the last block (B, T, D) in compute_dtype, from token ids (B, T); window is the
+        long attention window in tokens, a 0-D int64 tensor so that growing it never recompiles."""
+        cfg = self.config
+        self.check_inputs(inputs_BT)
+        window = torch.as_tensor(window, dtype=torch.int64, device=inputs_BT.device)
         masks, cos_TP, sin_TP = self.attention_inputs(inputs_BT, window)
-        rows_BTD, *ves_BTA = self.embed_inputs(inputs_BT)
-        # the rows' gradients go straight into the tables' (TableRows); each value embedding feeds two layers
-        # (GPTConfig.value_embed_index): one view of its rows for each, whose two gradients are added together
-        if torch.is_grad_enabled():
-            sorted_ids_N, order_N = sort_ids(inputs_BT)
-            (rows_BTD,) = TableRows.apply(rows_BTD, self.embed.weight, sorted_ids_N, order_N, 1)
-            ves_BTA = [list(TableRows.apply(ve_BTA, emb.weight, sorted_ids_N, order_N, 2))
-                       for ve_BTA, emb in zip(ves_BTA, self.value_embeds)]
-        else:  # no gradient to route
-            ves_BTA = [[ve_BTA, ve_BTA] for ve_BTA in ves_BTA]
-        if cfg.smear:
-            rows_BTD = self.smear_rows(rows_BTD, inputs_BT, self.smear_gate, self.smear_lambda, cfg.bos_id)
-        x0_BTD = self.norm_rows(rows_BTD)
+        x0_BTD = norm(self.embed(inputs_BT).to(self.compute_dtype))
+        ves_BTA = [emb(inputs_BT).to(self.compute_dtype) for emb in self.value_embeds]
+        x_BTD, v_first_BTHd, skips = x0_BTD, None, []
         L, num_skips = cfg.num_layers, cfg.num_layers // 2
-        # every block reads x0, and so does the stream's start: one view each, their gradients summed in one pass
-        *x0s_BTD, x_BTD = FanOut.apply(x0_BTD, L + 1, self.add_gradients)
-        # a copy: were x and x0 one tensor, the first block's inputs would alias, and dynamo compiles a graph of
-        # its own for aliased inputs (two, for training and validation), which costs more cold-start seconds than
-        # the copy (one read and one write of x0 per micro-step, about 0.3 ms per step by bandwidth) ever will
-        x_BTD = x_BTD.clone()
-        skips, v_first_BTHd = [], None
         for i, block in enumerate(self.blocks):
             if i >= L - num_skips:  # second half: add the mirrored first-half output (U-net)
-                x_BTD = SkipAdd.apply(x_BTD, skips.pop(), self.skip_weights[i - (L - num_skips)])
-            if cfg.backout and i == L // 2:
-                mid_BTD = x_BTD  # what the middle block reads: the backout's (held only when it is on)
+                x_BTD = x_BTD + self.skip_weights[i - (L - num_skips)].type_as(x_BTD) * skips.pop()
+            if i == L // 2:
+                mid_BTD = x_BTD  # what the middle block reads: the backout's
             ve_index = cfg.value_embed_index(i)
-            ve_BTA = None if ve_index is None else ves_BTA[ve_index].pop()
-            mask = masks[cfg.is_short_window(i)]
-            x_BTD, v_BTHd = block(x_BTD, x0s_BTD[i], v_first_BTHd, ve_BTA, cos_TP, sin_TP, mask)
-            if v_BTHd is not None:  # block 0's values, with the value residual on
+            ve_BTA = None if ve_index is None else ves_BTA[ve_index]
+            x_BTD, v_BTHd = block(x_BTD, x0_BTD, v_first_BTHd, ve_BTA, cos_TP, sin_TP,
+                                  masks[cfg.is_short_window(i)])
+            if v_BTHd is not None:
                 v_first_BTHd = v_BTHd
             if i < num_skips:
                 skips.append(x_BTD)
-        if cfg.backout:
-            x_BTD = SkipAdd.apply(x_BTD, mid_BTD, self.backout_weight[0])
+        if self.backout_weight is not None:
+            x_BTD = x_BTD + self.backout_weight[0].type_as(x_BTD) * mid_BTD
         return x_BTD
 
-    def attention_inputs(self, inputs_BT: Tensor, window: Tensor) -> tuple[dict, Tensor, Tensor]:
-        """The masks of one micro-batch, {is_short_window: mask} (FlexAttention BlockMasks or SDPA's dense masks),
-        and the rotary tables cos, sin (T, P)."""
-        cfg = self.config
-        doc_BT = document_ids(inputs_BT, cfg.bos_id)
-        windows = {False: window, True: short_window(window, cfg.block_size)}
-        make = block_mask if self.attention_backend == "flex" else dense_mask
-        masks = {short: make(doc_BT, w, cfg.block_size) for short, w in windows.items()}
-        return masks, *rotary_tables(inputs_BT.size(1), cfg.head_dim, cfg.rope_base, inputs_BT.device)
-
-    def embed_inputs(self, inputs_BT: Tensor) -> list[Tensor]:
-        """[the embedding's rows (B, T, D), then each value embedding's (B, T, A)] in compute_dtype, looked up
-        detached: TableRows gives them their gradient (hidden_states)."""
-        return [F.embedding(inputs_BT, emb.weight.detach()).to(self.compute_dtype)
-                for emb in (self.embed, *self.value_embeds)]
-
     def logits(self, inputs_BT: Tensor, window: Tensor) -> Tensor:
-        """Capped fp32 logits (B, T, V), for sampling, evaluation and tests."""
+        """Capped fp32 logits (B, T, V)."""
         return self.head.logits(self.hidden_states(inputs_BT, window))
 
     def forward(self, inputs_BT: Tensor, targets_BT: Tensor, window: Tensor, reduction: str = "mean") -> Tensor:
-        """Cross-entropy in fp32 over targets != -100: a scalar for "mean"/"sum", per-token (B, T) for "none".
-        inputs (B, T) int token ids; targets (B, T) int64; window: 0-D int64 tensor, the long window in tokens."""
+        """Cross-entropy in fp32 over targets (B, T) != IGNORE_INDEX, reduced as Head's."""
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction={reduction!r}: use one of {REDUCTIONS}")
         return self.head(self.hidden_states(inputs_BT, window), targets_BT, reduction)
+
+    @torch.no_grad()
+    def scored_loss_sum(self, inputs_BT: Tensor, targets_BT: Tensor, window: Tensor) -> Tensor:
+        """The summed loss of one evaluation batch; the head, most of a small model's work, sees only scored rows."""
+        hidden_BTD = self.hidden_states(inputs_BT, window)
+        scored_BT = targets_BT != IGNORE_INDEX
+        return self.head(hidden_BTD[scored_BT][None], targets_BT[scored_BT][None], "sum")
+
+
+def _backend_state(module: GPT, state: dict, prefix: str, *args) -> None:
+    """Drops the checkpoint's `*.grad_amax` buffers (model/fast) that the model lacks; zeros those the checkpoint
+    lacks."""
+    own = {prefix + name for name, _ in module.named_buffers() if name.endswith("grad_amax")}
+    for key in [k for k in state if k.endswith("grad_amax") and k not in own]:
+        del state[key]
+    for key in own:
+        state.setdefault(key, torch.zeros(()))

@@ -47,12 +47,6 @@ interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="runs in test_kernels_in_the_triton_interpreter's child")
 
 
-# The kernels that run inside torch.compile are launched through torch.library.wrap_triton, which in torch 2.11
-# refuses the interpreter's kernels (RuntimeError: "wrap_triton only works on functions annotated with triton.jit
-# or triton.autotune", on the GPU machine); torch 2.13 launches them as they are.
-wraps_interpreted = pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < "2.13",
-                                       reason="interpreted kernels through wrap_triton need torch >= 2.13")
-
 
 def interpreter_parent(test_file: str, passed: int, *marks):
     """The test that runs test_file's `interpreted` tests in a child process (run_interpreted), for a kernel test file
@@ -71,8 +65,8 @@ def interpreter_parent(test_file: str, passed: int, *marks):
 
 def run_interpreted(test_file: str, passed: int) -> None:
     """Run test_file's tests marked by "interpreted" in their name in a child pytest with TRITON_INTERPRET=1, which
-    must be set before triton decorates the kernels (when model.head / model.layers import them); assert that
-    exactly `passed` ran and passed."""
+    must be set before triton decorates the kernels (when model/fast's modules import them); assert that exactly
+    `passed` ran and passed."""
     child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k",
                             "interpreted"], cwd=Path(__file__).parents[1], env={**os.environ, "TRITON_INTERPRET": "1"},
                            capture_output=True, text=True, timeout=300)

@@ -106,30 +106,6 @@ def test_block_mask_equals_dense_mask(window):
     assert torch.equal(mask.kv_num_blocks[2], torch.ones_like(mask.kv_num_blocks[2]))
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-def test_bench_token_window_mask_is_the_exact_distance_rule(window):
-    """bench/flex_rule.py times the model's rule against the one before, q - k < window: the written-out rule with
-    blocks of one token."""
-    from bench.flex_rule import token_window_mask
-
-    tokens = layouts()
-    mask = token_window_mask(document_ids(tokens, BOS), torch.tensor(window), BLOCK)
-    assert torch.equal(materialise(mask), reference_mask(tokens, window, block=1))
-
-
-@pytest.mark.parametrize("window", WINDOWS)
-def test_bench_flash_block_mask_is_the_model_rule(window):
-    """bench/flash4.py runs the model's block lists through FlexAttention's FLASH backend with a mask_mod of its own
-    (flat document ids of one row, no window test): row by row, the model's rule."""
-    from bench.flash4 import flash_block_mask
-
-    tokens = layouts()
-    for b in range(len(tokens)):
-        row = tokens[b:b + 1]
-        mask = flash_block_mask(document_ids(row, BOS), torch.tensor(window), BLOCK)
-        assert torch.equal(materialise(mask), reference_mask(row, window))
-
-
 def test_dense_mask_with_a_short_last_block():
     tokens = layouts(T - 6)  # SDPA's path takes any length: the last block has BLOCK - 6 tokens
     for window in (BLOCK, 2 * BLOCK + 2):

@@ -1,6 +1,6 @@
-"""The gradient-routing Functions of model/layers.py: FanOut (one tensor, n readers, their gradients summed in one
+"""The gradient-routing Functions of model/fast/routing.py: FanOut (one tensor, n readers, their gradients summed in one
 call) and TableRows (embedding rows whose gradient is added straight into the table's .grad), against autograd; and
-the Triton kernel of model/embed_kernels.py against fp64 sums.
+the Triton kernel of model/fast/embed_kernels.py against fp64 sums.
 
 The kernel runs on a GPU (`pytest -m gpu`) at the training's size, and on the CPU through the Triton interpreter
 where triton is installed, in a child pytest (`test_kernels_in_the_triton_interpreter`; see tests/helpers.py)."""
@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from helpers import interpreted, interpreter_parent
-from model import layers
+
+pytest.importorskip("triton", reason="triton is not installed (CPU-only torch)")
+from model.fast import embed_kernels, routing
 
 gpu = pytest.mark.gpu
 
@@ -23,9 +25,9 @@ def test_fan_out_sums_the_gradients_of_its_readers_in_one_call():
 
     def add(tensors):
         calls.append(len(tensors))
-        return layers.add_all(tensors)
+        return routing.add_all(tensors)
 
-    a, b, c = layers.FanOut.apply(x, 3, add)
+    a, b, c = routing.FanOut.apply(x, 3, add)
     assert all(v.shape == x.shape and v.data_ptr() == x.data_ptr() for v in (a, b, c))
     w1, w2 = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
     ((a * w1).sum() + (b * w2).sum() + c.detach().sum()).backward()
@@ -34,8 +36,8 @@ def test_fan_out_sums_the_gradients_of_its_readers_in_one_call():
 
 
 def route(rows, table, ids, readers):
-    """TableRows as GPT.hidden_states applies it: the ids sorted once, one view per reader."""
-    return layers.TableRows.apply(rows, table, *layers.sort_ids(ids), readers)
+    """TableRows as FastGPT.hidden_states applies it: the ids sorted once, one view per reader."""
+    return routing.TableRows.apply(rows, table, *routing.sort_ids(ids), readers)
 
 
 def test_table_rows_add_their_gradient_into_the_table_in_place():
@@ -83,7 +85,7 @@ def test_table_rows_forward_is_the_rows():
 
 def test_sort_ids_orders_the_flattened_ids():
     ids = torch.tensor([[5, 1, 5], [0, 9, 1]])
-    sorted_ids, order = layers.sort_ids(ids)
+    sorted_ids, order = routing.sort_ids(ids)
     assert sorted_ids.tolist() == [0, 1, 1, 5, 5, 9]
     assert torch.equal(ids.flatten()[order], sorted_ids)
 
@@ -92,7 +94,7 @@ def test_sort_ids_keeps_the_order_of_each_ids_rows():
     """A stable sort: within a run of one id the rows keep their order in the micro-batch, so the kernels sum each run
     in the same order every time."""
     ids = torch.randint(0, 20, (5, 20), generator=torch.Generator().manual_seed(0))
-    sorted_ids, order = layers.sort_ids(ids)
+    sorted_ids, order = routing.sort_ids(ids)
     same = sorted_ids[1:] == sorted_ids[:-1]
     assert same.sum() > 50 and (order[1:][same] > order[:-1][same]).all()
 
@@ -101,8 +103,6 @@ def check_add_rows(num_rows, vocab, width, readers, device, **launch):
     """add_rows on bf16 rows into an fp32 table against fp64 sums: within 1e-5 of the summed magnitudes of each
     element (fp32 sums in any order). The ids repeat as text does: a third of the rows are one token, whose run
     crosses many programs' rows. `launch`: add_rows' rows per program and warps."""
-    from model import embed_kernels
-
     gen = torch.Generator(device).manual_seed(0)
     ids = torch.randint(0, vocab, (num_rows,), generator=gen, device=device, dtype=torch.int32)
     ids[::3] = 7
@@ -111,7 +111,7 @@ def check_add_rows(num_rows, vocab, width, readers, device, **launch):
     total = sum(g.double() for g in grads)
     want = table.double().index_add(0, ids.long(), total)
     bound = table.double().abs().index_add(0, ids.long(), sum(g.double().abs() for g in grads))
-    embed_kernels.add_rows(table, *layers.sort_ids(ids), grads, **launch)
+    embed_kernels.add_rows(table, *routing.sort_ids(ids), grads, **launch)
     assert ((table.double() - want).abs() <= 1e-5 * bound + 1e-30).all()
 
 
@@ -128,14 +128,12 @@ def test_add_rows_on_gpu_repeats_bit_for_bit():
     """The record's micro-batch with a third of its rows one token (a run through some 500 programs, as a file of code
     makes in the proxy corpus): ten calls into copies of one table give the same bits. With one atomic add per
     program, the adds into that token's row came in a different order each call."""
-    from model import embed_kernels
-
     gen = torch.Generator("cuda").manual_seed(0)
     ids = torch.randint(0, 50304, (49152,), generator=gen, device="cuda", dtype=torch.int32)
     ids[::3] = 7
     grads = [torch.randn(49152, 768, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2)]
     table = torch.randn(50304, 768, generator=gen, device="cuda")
-    sorted_ids, order = layers.sort_ids(ids)
+    sorted_ids, order = routing.sort_ids(ids)
     results = []
     for _ in range(10):
         results.append(table.clone())

@@ -1,6 +1,7 @@
-"""The blocks' FP8 products (model/fp8.py, ReLU2MLP's fp8 paths in model/layers.py): the e4m3 copies and their
-scales, the products against fp32 torch ops on the same FP8 values, and the backward against bf16 autograd's.
-The MLP's FP8 kernels run on a Hopper GPU only (`pytest -m gpu`); torch._scaled_mm runs on the CPU too."""
+"""The blocks' FP8 products (model/fast/fp8.py; ReLU2MLP's fp8 paths in model/fast/mlp.py and FP8QKV in
+model/fast/blocks.py): the e4m3 copies and their scales, the products against fp32 torch ops on the same FP8 values,
+and the backward against bf16 autograd's. The MLP's FP8 kernels run on a Hopper GPU only (`pytest -m gpu`);
+torch._scaled_mm runs on the CPU too."""
 import copy
 
 import pytest
@@ -10,12 +11,15 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from helpers import output_and_grads as grads
-from model import layers
-from model.fp8 import (E4M3_MAX, NormedFP8Linear, delayed_scale, grad_operands, normed_fp8_linear, normed_operands,
-                       normed_scale, relu2_scale, scale_of, to_e4m3)
 from model.config import GPTConfig
-from model.gpt import GPT
-from runtime.dist import Runtime, agree_on_scales, use_device_paths
+from model.gpt import prepare_qkv, rotary_tables
+from runtime.dist import Runtime, agree_on_max
+
+pytest.importorskip("triton", reason="triton is not installed (CPU-only torch)")
+from model.fast import blocks, mlp, mlp_kernels
+from model.fast.fp8 import (E4M3_MAX, NormedFP8Linear, delayed_scale, grad_operands, normed_fp8_linear,
+                            normed_operands, normed_scale, relu2_scale, scale_of, to_e4m3)
+from model.fast.gpt import FastGPT
 
 gpu = pytest.mark.gpu
 hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
@@ -24,11 +28,11 @@ E4M3_RTOL = 2.0 ** -4  # half a unit in the last place of e4m3's 3 mantissa bits
 
 
 def fp8_mlp(x, w1, w2, r):
-    return layers.ReLU2MLP.apply(x, w1, w2, r, True)
+    return mlp.ReLU2MLP.apply(x, w1, w2, r, True)
 
 
 def bf16_mlp(x, w1, w2, r):
-    return layers.ReLU2MLP.apply(x, w1, w2, r, False)
+    return mlp.ReLU2MLP.apply(x, w1, w2, r, False)
 
 
 def normed(m, k, device="cpu", seed=0):
@@ -71,7 +75,7 @@ def test_the_hidden_bound_holds_for_the_worst_aligned_row():
     x = torch.cat([w[:, 7:8].t() / w[:, 7].square().mean().sqrt(), normed(31, d)])  # RMS 1 rows
     x8, w8, scale = normed_operands(x.bfloat16(), w.bfloat16())
     h_scale = relu2_scale(w8, scale)
-    h, h8 = layers.relu2_matmul_fp8(x8, w8, scale, 1 / h_scale)
+    h, h8 = mlp.relu2_matmul_fp8(x8, w8, scale, 1 / h_scale)
     top = h8.float().max(1).values
     assert torch.isfinite(h8.float()).all()
     torch.testing.assert_close(top[0], torch.tensor(E4M3_MAX * (1 + 2 ** -3) ** -2), rtol=2.0 ** -3, atol=0)
@@ -120,7 +124,7 @@ def test_fp8_mlp_on_torch_ops():
     x_scale, w_scale = normed_scale(x), scale_of(w1)
     x8, w8 = to_e4m3(x, x_scale), to_e4m3(w1.t(), w_scale).contiguous()
     h_scale = relu2_scale(w8, x_scale * w_scale)
-    h, h8 = layers.relu2_matmul_fp8(x8, w8, x_scale * w_scale, 1 / h_scale)
+    h, h8 = mlp.relu2_matmul_fp8(x8, w8, x_scale * w_scale, 1 / h_scale)
     exact_h = F.relu((x8.double() @ w8.double().t()) * (x_scale * w_scale).double()).square()
     torch.testing.assert_close(h.double(), exact_h, rtol=2.0 ** -8, atol=0)  # one bf16 rounding
     torch.testing.assert_close(h8.double() * h_scale.double(), exact_h, rtol=2.0 ** -4,  # one e4m3 rounding
@@ -160,13 +164,13 @@ def test_fp8_backward_mlp_on_torch_ops(history):
     x_scale, w_scale = normed_scale(x), scale_of(w1)
     x8, w8 = to_e4m3(x, x_scale), to_e4m3(w1.t(), w_scale).contiguous()
     h_scale = relu2_scale(w8, x_scale * w_scale)
-    h, h8 = layers.relu2_matmul_fp8(x8, w8, x_scale * w_scale, 1 / h_scale)
+    h, h8 = mlp.relu2_matmul_fp8(x8, w8, x_scale * w_scale, 1 / h_scale)
     gy8, w2_8, gy_scale, w2_scale = grad_operands(grad_y, w2)
-    grad_pre = layers.relu2_matmul_grad(gy8.float(), w2_8.float().t() * (gy_scale * w2_scale), h.float())
+    grad_pre = mlp.relu2_matmul_grad(gy8.float(), w2_8.float().t() * (gy_scale * w2_scale), h.float())
     amax = (history * grad_pre.abs().amax()).reshape(())
     g_scale = delayed_scale(amax)
 
-    got = grads(lambda *a: layers.ReLU2MLP.apply(*a, True, amax), x, w1, w2, r, grad_y)
+    got = grads(lambda *a: mlp.ReLU2MLP.apply(*a, True, amax), x, w1, w2, r, grad_y)
     torch.testing.assert_close(amax, grad_pre.abs().amax(), rtol=0, atol=0)
     g8 = to_e4m3(grad_pre, g_scale)
     assert (grad_pre.abs() > E4M3_MAX * g_scale).any() == (history < 1)  # values past the scale's range or none
@@ -189,11 +193,11 @@ def test_a_site_without_history_gets_scale_one():
     records its amax for the next call."""
     x, w1, w2, r, grad_y = fp8_backward_operands(64, 32, 128)
     amax = torch.zeros(())
-    h = layers.relu2_matmul_fp8_t(*normed_operands(x, w1), torch.ones(()))[0]
+    h = mlp.relu2_matmul_fp8_t(*normed_operands(x, w1), torch.ones(()))[0]
     gy8, w2_8, gy_scale, w2_scale = grad_operands(grad_y, w2)
-    g8, g8t, scale = layers.relu2_matmul_grad_fp8(gy8, w2_8, gy_scale * w2_scale, h, amax)
+    g8, g8t, scale = mlp.relu2_matmul_grad_fp8(gy8, w2_8, gy_scale * w2_scale, h, amax)
     assert scale.item() == 1.0 and torch.equal(g8t.float(), g8.float().t())
-    want = layers.relu2_matmul_grad(gy8.float(), w2_8.float().t() * (gy_scale * w2_scale), h.float())
+    want = mlp.relu2_matmul_grad(gy8.float(), w2_8.float().t() * (gy_scale * w2_scale), h.float())
     assert amax.item() == want.abs().max().item() > 0
 
 
@@ -203,7 +207,7 @@ def qkv_problem(B, T, H, d, D, seed):
     g = torch.Generator().manual_seed(seed)
     x = normed(B * T, D).bfloat16().view(B, T, D)
     w = (torch.randn(3 * H * d, D, generator=g) * D ** -0.5).bfloat16()
-    cos, sin = layers.rotary_tables(T, d, 1024.0, torch.device("cpu"))
+    cos, sin = rotary_tables(T, d, 1024.0, torch.device("cpu"))
     lambdas, ve = torch.tensor([0.7, -0.4, 1.3]), torch.randn(B, T, H * d, generator=g).bfloat16()
     upstream = [torch.randn(B, T, H, d, generator=g).bfloat16() for _ in range(3)]
     return x, w, cos, sin, lambdas, ve, upstream
@@ -211,26 +215,26 @@ def qkv_problem(B, T, H, d, D, seed):
 
 @pytest.mark.parametrize("history", [1.0, 0.5])
 def test_fp8_backward_qkv_on_torch_ops(history):
-    """FP8QKV off the kernels: q, k, v are qkv_prep's of the FP8 product (normed_fp8_linear); x's gradient equals
+    """FP8QKV off the kernels: q, k, v are prepare_qkv's of the FP8 product (normed_fp8_linear); x's gradient equals
     fp64's product of the e4m3 copies it reads, up to one rounding of its output: the output gradient's at the delayed
     scale of grad_amax's value before the call (qkv_prep_grad_fp8, which tests/test_qkv.py checks) and w's; grad_amax
     then holds this gradient's amax; w's gradient is likewise the product of that copy and x's e4m3 copy at its fixed
-    scale; the value weights' and embedding's gradients are qkv_prep's at the FP8 product. With the true amax as
-    history, the gradients of x and w within FP8's error of the bf16 path's (F.linear, then qkv_prep)."""
+    scale; the value weights' and embedding's gradients are prepare_qkv's at the FP8 product. With the true amax as
+    history, the gradients of x and w within FP8's error of the bf16 path's (F.linear, then prepare_qkv)."""
     B, T, H, d, D = 2, 16, 2, 16, 32
     x, w, cos, sin, lambdas, ve, upstream = qkv_problem(B, T, H, d, D, seed=3)
 
     qkv = normed_fp8_linear(x, w, None)[0].view(B, T, 3 * H, d)
     g_exact = qkv_grad(qkv, cos, sin, lambdas, ve, upstream)
     amax = (history * g_exact.abs().amax()).float().reshape(())
-    g8, g_scale, want_lambdas, _, want_ve = layers.qkv_prep_grad_fp8(*upstream, qkv, cos, sin, lambdas, None, ve,
+    g8, g_scale, want_lambdas, _, want_ve = blocks.qkv_prep_grad_fp8(*upstream, qkv, cos, sin, lambdas, None, ve,
                                                                      amax.clone())
     leaves = [t.detach().requires_grad_() for t in (x, w, lambdas, ve)]
-    outs = layers.FP8QKV.apply(leaves[0], leaves[1], None, cos, sin, leaves[2], None, leaves[3], amax, H)
+    outs = blocks.FP8QKV.apply(leaves[0], leaves[1], None, cos, sin, leaves[2], None, leaves[3], amax, H)
     torch.autograd.backward(outs, upstream)
     got_x, got_w, got_lambdas, got_ve = (t.grad for t in leaves)
 
-    for a, b in zip(outs, layers.qkv_prep(qkv, cos, sin, lambdas, None, ve), strict=True):
+    for a, b in zip(outs, prepare_qkv(qkv, cos, sin, lambdas, None, ve), strict=True):
         assert torch.equal(a, b)
     torch.testing.assert_close(amax.double(), g_exact.abs().amax(), rtol=1e-6, atol=0)  # fp32 autograd's
     assert (g_exact.abs() > E4M3_MAX * g_scale * (1 + 1e-6)).any() == (history < 1)  # values past the range or none
@@ -247,7 +251,7 @@ def test_fp8_backward_qkv_on_torch_ops(history):
     if history == 1:
         leaves = [t.detach().requires_grad_() for t in (x, w)]
         bf16_qkv = F.linear(leaves[0], leaves[1]).view(B, T, 3 * H, d)
-        torch.autograd.backward(layers.qkv_prep(bf16_qkv, cos, sin, lambdas, None, ve), upstream)
+        torch.autograd.backward(prepare_qkv(bf16_qkv, cos, sin, lambdas, None, ve), upstream)
         for a, b in ((got_x, leaves[0].grad), (got_w, leaves[1].grad)):
             assert (a.float() - b.float()).abs().max() < 0.1 * b.float().abs().max()
 
@@ -259,7 +263,7 @@ def test_compiled_fp8_qkv_on_gpu(monkeypatch):
     kernels that write the copies (QKVPrep's backward and two transposing copies, x's in the forward and the
     gradient's in the backward) and no bf16 product; its outputs and gradients match the torch ops' path (FP8QKV off
     the kernels, on the same GPU) within the rounding of a few e4m3 values (the two compute the gradient's fp32
-    values in a different order). (On the CPU, torch._scaled_mm took 120 s for one of these products on 2 cores.)"""
+    values in a different order). A GPU test: on the CPU torch._scaled_mm is far too slow at this size."""
     import re
 
     from torch._inductor.utils import run_and_get_code
@@ -268,7 +272,7 @@ def test_compiled_fp8_qkv_on_gpu(monkeypatch):
     x, w, cos, sin, lambdas, ve, upstream = qkv_problem(B, T, H, d, D, seed=5)
 
     def fp8_qkv(amax, cos, sin):
-        return lambda x, w, lambdas, ve: layers.FP8QKV.apply(x, w, None, cos, sin, lambdas, None, ve, amax, H)
+        return lambda x, w, lambdas, ve: blocks.FP8QKV.apply(x, w, None, cos, sin, lambdas, None, ve, amax, H)
 
     def outputs_and_grads(fn, *inputs, upstream):
         leaves = [t.detach().requires_grad_() for t in inputs]
@@ -296,7 +300,7 @@ def test_compiled_fp8_qkv_on_gpu(monkeypatch):
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
 
-    monkeypatch.setattr(layers, "on_qkv_kernels", lambda x, head_dim: False)
+    monkeypatch.setattr(blocks, "on_qkv_kernels", lambda x, head_dim: False)
     on_torch_ops = outputs_and_grads(fp8_qkv(history.clone(), *tables), *on_gpu, upstream=up_gpu)
     for a, b in zip(want, on_torch_ops, strict=True):
         a, b = a.double(), b.double()
@@ -304,16 +308,16 @@ def test_compiled_fp8_qkv_on_gpu(monkeypatch):
 
 
 def qkv_grad(qkv, cos, sin, lambdas, ve, upstream):
-    """qkv_prep's gradient for qkv (B T, 3 H d) in fp64."""
+    """prepare_qkv's gradient for qkv (B T, 3 H d) in fp64."""
     leaf = qkv.double().requires_grad_()
-    outs = layers.qkv_prep(leaf, cos.double(), sin.double(), lambdas.double(), None, ve.double())
+    outs = prepare_qkv(leaf, cos.double(), sin.double(), lambdas.double(), None, ve.double())
     torch.autograd.backward(outs, [u.double() for u in upstream])
     return leaf.grad.flatten(0, 1).flatten(1)
 
 
 def small_model(dim=64):
-    return GPT(GPTConfig(num_layers=2, model_dim=dim, num_heads=2, head_dim=dim // 2,
-                         num_value_embeds=1))
+    return FastGPT(GPTConfig(num_layers=2, model_dim=dim, num_heads=2, head_dim=dim // 2,
+                             num_value_embeds=1))
 
 
 def fp8_parts(model):
@@ -347,16 +351,16 @@ def test_the_gradient_history_is_saved_with_the_weights():
 
 
 def histories(rank: int) -> list[float]:
-    """Each rank's grad_amax per block (attention, MLP) after agree_on_scales: block 0's attention and MLP run their
-    backward in FP8, block 1's not."""
+    """Each rank's grad_amax per block (attention, MLP) after agree_on_max of the model's scale_histories: block 0's
+    attention and MLP run their backward in FP8, block 1's not."""
     model = small_model()
     for part in (model.blocks[0].attn, model.blocks[0].mlp):
         part.fp8 = part.fp8_backward = True
     for block, amax in zip(model.blocks, [[[2.0, 7.0], [6.0, 8.0]], [[5.0, 1.0], [3.0, 4.0]]][rank]):
         block.attn.grad_amax.fill_(amax[0])
         block.mlp.grad_amax.fill_(amax[1])
-    agree_on_scales(model, Runtime(rank, torch_dist.get_world_size() if torch_dist.is_initialized() else 1,
-                                   torch.device("cpu")))
+    world_size = torch_dist.get_world_size() if torch_dist.is_initialized() else 1
+    agree_on_max(model.scale_histories(), Runtime(rank, world_size, torch.device("cpu")))
     return amaxes(model)
 
 
@@ -374,7 +378,7 @@ def test_ranks_agree_on_the_gradient_history(tmp_path):
     amaxes, so the next step's scales and a checkpoint's (rank 0's) history are every rank's; the others keep their
     own. One process changes nothing."""
     mp.start_processes(scales_rank_main, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True,
-                       start_method="fork")  # as tests/test_optim_dist.py: a spawned child re-imports torch
+                       start_method="spawn")  # as tests/test_optim_dist.py
     assert torch.load(tmp_path / "rank0.pt") == [5.0, 7.0, 6.0, 8.0]
     assert torch.load(tmp_path / "rank1.pt") == [5.0, 7.0, 3.0, 4.0]
     assert histories(0) == [2.0, 7.0, 6.0, 8.0]
@@ -385,26 +389,24 @@ def fp8_backward_parts(model):
 
 
 def test_fp8_stays_off_where_its_kernels_cannot_run():
-    """On the CPU (and any GPU but Hopper) --fp8_forward and --fp8_backward leave every block in bf16."""
+    """On the CPU (and any GPU but Hopper) --fp8 leaves every block in bf16."""
     model = small_model()
-    use_device_paths(model, torch.device("cpu"), fp8_forward=True, fp8_backward=True)
+    model.configure(torch.device("cpu"), fp8=True)
     assert fp8_parts(model) == [False] * 4 and fp8_backward_parts(model) == [False] * 4
 
 
 @gpu
 @hopper
 def test_fp8_is_on_for_every_block_on_hopper_where_the_widths_allow():
-    """On, off as asked (the backward only with the forward); and off for a width whose FP8 rows would not be
+    """On as asked, forward and backward together, and off again; and off for a width whose FP8 rows would not be
     16-byte aligned (8 channels)."""
     model = small_model()
-    use_device_paths(model, torch.device("cuda"), fp8_forward=True)
-    assert fp8_parts(model) == [True] * 4 and fp8_backward_parts(model) == [False] * 4
-    use_device_paths(model, torch.device("cuda"), fp8_forward=True, fp8_backward=True)
+    model.configure(torch.device("cuda"), fp8=True)
     assert fp8_parts(model) == [True] * 4 and fp8_backward_parts(model) == [True] * 4
-    use_device_paths(model, torch.device("cuda"), fp8_forward=False, fp8_backward=True)  # nothing to read
+    model.configure(torch.device("cuda"), fp8=False)
     assert fp8_parts(model) == [False] * 4 and fp8_backward_parts(model) == [False] * 4
     narrow = small_model(dim=8)
-    use_device_paths(narrow, torch.device("cuda"), fp8_forward=True)
+    narrow.configure(torch.device("cuda"), fp8=True)
     assert fp8_parts(narrow) == [False] * 4
 
 
@@ -419,8 +421,6 @@ def test_fp8_kernel_matches_torch_ops_on_the_same_values(m, k, n):
     the sum of its terms' magnitudes; h = relu(p)^2 then by at most (2|p| + d) d, plus one bf16 rounding of h (2^-9
     relative, 2^-8 allowed). Tighter bounds failed: 2^-8 of each h by up to 0.0042 relative, 2^-12 for d by 0.004
     absolute at the record's shape."""
-    from model import mlp_kernels
-
     x = normed(m, k, "cuda").bfloat16()
     w = (torch.randn(k, n, device="cuda") * 0.5 * k ** -0.5).bfloat16()
     x_scale, w_scale = normed_scale(x), scale_of(w)
@@ -453,8 +453,6 @@ def test_fp8_matmul_add_matches_torch_ops_on_the_same_values(m, k, n):
     """r + s h8 @ w8^T on e4m3 operands against fp64 ops on the same values, at the record's shape (the MLP's
     second product) and sizes off every tile: the accumulation's error as in the test above, plus one bf16 rounding
     of the sum."""
-    from model import mlp_kernels
-
     g = torch.Generator("cuda").manual_seed(4)
     h = F.relu(torch.randn(m, k, generator=g, device="cuda")).square()
     w = torch.randn(n, k, generator=g, device="cuda") * 0.02
@@ -499,8 +497,6 @@ def test_fp8_kernel_writes_the_transposed_copy(m, k, n):
     """relu2_matmul_fp8_t: h and its e4m3 copy equal relu2_matmul_fp8's bit for bit, and the transposed copy is
     that copy's transpose, at the record's shape and one off every tile (4112 = 32 x 128 + 16 tokens, 1040 = 8 x 128
     + 16 hidden units)."""
-    from model import mlp_kernels
-
     x, w1 = normed(m, k, "cuda").bfloat16(), (torch.randn(k, n, device="cuda") * k ** -0.5).bfloat16()
     x8, w8, scale = normed_operands(x, w1)
     inv = 1 / relu2_scale(w8, scale)
@@ -521,13 +517,11 @@ def test_fp8_grad_kernel_matches_torch_ops(m, k, n, history):
     test_fp8_kernel_matches_torch_ops_on_the_same_values); grad_amax then lies within the largest dg of g's amax, and
     the copy, decoded, within one e4m3 rounding of g, saturated past the scale's range (half the true amax as
     history)."""
-    from model import mlp_kernels
-
     x, w1, w2, _, grad_y = fp8_backward_operands(m, k, n, "cuda")
     h = mlp_kernels.relu2_matmul_fp8(*normed_operands(x, w1), torch.ones((), device="cuda"))[0]
     gy8, w2_8, gy_scale, w2_scale = grad_operands(grad_y, w2)
     gy64, w64, s64 = gy8.double(), w2_8.double().t(), (gy_scale * w2_scale).double()
-    exact = layers.relu2_matmul_grad(gy64 * s64, w64, h.double())
+    exact = mlp.relu2_matmul_grad(gy64 * s64, w64, h.double())
     dg = 2.0 ** -9 * ((gy64.abs() @ w64.abs()) * s64) * (2.0 * h.double().sqrt())
     amax = (history * exact.abs().max()).float()
     scale_before = delayed_scale(amax)
@@ -553,11 +547,11 @@ def test_compiled_fp8_backward_mlp_calls_the_fp8_kernels():
 
     x, w1, w2, r, grad_y = fp8_backward_operands(4096, 768, 3072, "cuda")
     amax = torch.zeros((), device="cuda")
-    grads(lambda *a: layers.ReLU2MLP.apply(*a, True, amax), x, w1, w2, r, grad_y)  # amax's history
+    grads(lambda *a: mlp.ReLU2MLP.apply(*a, True, amax), x, w1, w2, r, grad_y)  # amax's history
     history = amax.clone()
-    want = grads(lambda *a: layers.ReLU2MLP.apply(*a, True, amax), x, w1, w2, r, grad_y)
+    want = grads(lambda *a: mlp.ReLU2MLP.apply(*a, True, amax), x, w1, w2, r, grad_y)
     assert torch.equal(amax, history) and history > 0  # the same gradient again, the same amax
-    compiled = torch.compile(lambda *a: layers.ReLU2MLP.apply(*a, True, amax), dynamic=False)
+    compiled = torch.compile(lambda *a: mlp.ReLU2MLP.apply(*a, True, amax), dynamic=False)
     got, codes = run_and_get_code(grads, compiled, x, w1, w2, r, grad_y)
     ops = sorted(re.findall(r"torch\.ops\.speedrun\.(\w+)\.default\(", "\n".join(codes)))
     assert ops == ["matmul_add_fp8", "relu2_matmul_fp8_t", "relu2_matmul_grad_fp8"]

@@ -1,4 +1,5 @@
-"""model/head.py: the fused head loss (bf16/fp32 and FP8 paths) against F.cross_entropy of capped logits."""
+"""model/fast/head.py: the fused head loss (HeadLoss, FastHead; bf16/fp32 and FP8 paths) against F.cross_entropy of
+capped logits, the loss of model/gpt.py's Head."""
 import math
 from types import SimpleNamespace
 
@@ -6,8 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import head as head_module
-from model.head import IGNORE_INDEX, Head, HeadLoss, reference_loss
+from model.gpt import IGNORE_INDEX, Head, capped
+
+pytest.importorskip("triton", reason="triton is not installed (CPU-only torch)")
+from model.fast import head as head_module
+from model.fast.head import FastHead, HeadLoss, bounded_logsumexp
 
 SOFTCAP = 15.0
 
@@ -34,7 +38,10 @@ def fused(fp8, with_grad=True):
 
 
 def reference(x, w, t):
-    return reference_loss(x, w, t, SOFTCAP)
+    """Per-token cross-entropy (N,) in fp32 of the capped logits of normed x (N, D) and w (V, D), the product in x's
+    dtype; 0 where ignored: model/gpt.py's Head after its norm."""
+    return F.cross_entropy(capped(F.linear(x, w.type_as(x)), SOFTCAP), t, ignore_index=IGNORE_INDEX,
+                           reduction="none")
 
 
 def cosine(a, b):
@@ -108,11 +115,11 @@ def test_fp8_per_token_upstream_gradients():
 @pytest.mark.parametrize("fp8", [False, True])
 def test_loss_without_grad_is_the_same(fp8, monkeypatch):
     """Without a backward to follow (validation), HeadLoss skips the gradient's pass: the same loss, bit for bit,
-    and Head picks that path under torch.no_grad (the gradient's ops are made to fail there)."""
+    and FastHead picks that path under torch.no_grad (the gradient's ops are made to fail there)."""
     x, w, targets = problem(n=64, d=64, v=256, dtype=torch.bfloat16)
     with_grad = fused(fp8)(x, w.float(), targets)
     assert torch.equal(fused(fp8, with_grad=False)(x, w.float(), targets), with_grad)
-    head = Head(64, 256, SOFTCAP)
+    head = FastHead(64, 256, SOFTCAP)
     head.fp8 = fp8
     head.weight.data.copy_(w.float())
 
@@ -137,12 +144,12 @@ def test_fp8_zero_weight_gives_log_vocab():
     assert torch.isfinite(gw).all() and gw.abs().sum() > 0
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("make_head", [FastHead, Head])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_head_reductions(reduction, fused):
+def test_head_reductions(reduction, make_head):
+    """FastHead (HeadLoss) and model/gpt.py's Head: each reduction of F.cross_entropy of Head.logits."""
     torch.manual_seed(0)
-    head = Head(32, 160, SOFTCAP)
-    head.fused = fused
+    head = make_head(32, 160, SOFTCAP)
     torch.nn.init.normal_(head.weight, std=0.5)
     x = torch.randn(2, 48, 32)
     targets = torch.randint(0, 160, (2, 48))
@@ -158,11 +165,11 @@ def test_head_reductions(reduction, fused):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_head_on_gpu(fp8, compiled):
     """The record's shapes (D 768, V 50,304; 8,192 tokens) compiled as in training (and eager, as with --compile 0:
-    the Triton kernels of model/head_kernels.py either way), against the fp32 reference: bf16 to 0.999 gradient
-    alignment, FP8 to 0.99."""
+    the Triton kernels of model/fast/head_kernels.py either way), against model/gpt.py's Head in fp32: bf16 to 0.999
+    gradient alignment, FP8 to 0.99."""
     device = torch.device("cuda")
     torch.manual_seed(0)
-    head = Head(768, 50304, SOFTCAP).to(device)
+    head = FastHead(768, 50304, SOFTCAP).to(device)
     torch.nn.init.normal_(head.weight, std=0.02)
     head.fp8 = fp8
     if compiled:
@@ -175,9 +182,12 @@ def test_head_on_gpu(fp8, compiled):
     gw = head.weight.grad.clone()
 
     xr = x.clone().requires_grad_()
-    wr = head.weight.detach().clone().requires_grad_()
-    want = reference_loss(F.rms_norm(xr, (768,)).flatten(0, 1), wr, targets.flatten(), SOFTCAP).mean()
+    reference_head = Head(768, 50304, SOFTCAP).to(device)
+    with torch.no_grad():
+        reference_head.weight.copy_(head.weight)
+    want = reference_head(xr, targets, "mean")
     want.backward()
+    wr = reference_head.weight
     torch.testing.assert_close(loss.float(), want, rtol=1e-2, atol=0)
     bound = 0.99 if fp8 else 0.999
     assert cosine(xb.grad, xr.grad) > bound and cosine(gw, wr.grad) > bound
@@ -185,8 +195,6 @@ def test_head_on_gpu(fp8, compiled):
 
 def test_bounded_logsumexp_equals_logsumexp_at_the_extremes():
     """One-pass log-sum-exp of capped logits == torch.logsumexp, also with every logit at -cap or +cap."""
-    from model.head import bounded_logsumexp, capped
-
     z = torch.cat([capped(100 * torch.randn(6, 50304), SOFTCAP), torch.full((1, 50304), -SOFTCAP),
                    torch.full((1, 50304), SOFTCAP)])
     torch.testing.assert_close(bounded_logsumexp(z, SOFTCAP), torch.logsumexp(z, dim=-1), rtol=1e-6, atol=1e-5)

@@ -1,8 +1,9 @@
-"""model/head_kernels.py: the Triton kernels of the head loss against the torch ops of model/head.py (same names).
+"""model/fast/head_kernels.py: the Triton kernels of the head loss against the torch ops of model/fast/head.py (same
+names).
 
 On a GPU (`pytest -m gpu`) at the training's sizes. On the CPU through the Triton interpreter where triton is
-installed: TRITON_INTERPRET=1 must be set before triton decorates the kernels (when model.head imports them), so
-those tests run in a child pytest (`test_kernels_in_the_triton_interpreter`); `TRITON_INTERPRET=1 pytest
+installed: TRITON_INTERPRET=1 must be set before triton decorates the kernels (when model.fast.head imports them),
+so those tests run in a child pytest (`test_kernels_in_the_triton_interpreter`); `TRITON_INTERPRET=1 pytest
 tests/test_head_kernels.py` runs them directly."""
 import re
 
@@ -10,14 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import head
-from model.head import GRAD_FP8_SCALE, IGNORE_INDEX
-from helpers import interpreted, interpreter_parent, wraps_interpreted
+from helpers import interpreted, interpreter_parent
+from model.gpt import IGNORE_INDEX
+
+pytest.importorskip("triton", reason="triton is not installed (CPU-only torch)")
+from model.fast import head
+from model.fast.head import GRAD_FP8_SCALE
 
 SOFTCAP = 15.0
-# The kernels' tanh (PTX tanh.approx.f32, relative error <= 1.1e-5 measured: model/head_kernels.py) moves each capped
-# logit by up to 15 * 1.1e-5 = 1.7e-4, so each probability by up to 2 * 1.7e-4 relative (its logit and the lse), and
-# tanh' = 1 - tanh^2 by up to 1.3e-5 absolute (measured), plus fp32 rounding; the unit gradient is at most 1
+# The kernels' tanh (PTX tanh.approx.f32, relative error <= 1.1e-5 measured: model/fast/head_kernels.py) moves each
+# capped logit by up to 15 * 1.1e-5 = 1.7e-4, so each probability by up to 2 * 1.7e-4 relative (its logit and the
+# lse), and tanh' = 1 - tanh^2 by up to 1.3e-5 absolute (measured), plus fp32 rounding; the unit gradient is at most 1
 GRAD_RTOL_FP32, GRAD_ATOL = 4e-4, 3e-5
 # e5m2 keeps 2 mantissa bits: round-to-nearest is within 2^-3 relative, and within half the smallest subnormal
 # (2^-16) of the scale below that
@@ -41,7 +45,7 @@ def problem(n, v, dtype, device, seed=0):
 
 
 def reference(logits, targets):
-    """lse, loss and the unit gradient by model.head's torch ops in fp64."""
+    """lse, loss and the unit gradient by model.fast.head's torch ops in fp64."""
     lse, loss = head.lse_and_loss(logits.double(), targets, SOFTCAP)
     return lse, loss, head.unit_grad(logits.double(), lse, targets, SOFTCAP)
 
@@ -131,9 +135,8 @@ def test_kernels_index_past_2_31_at_the_training_size():
 @gpu
 def test_compiled_ops_launch_only_the_kernels():
     """Under torch.compile the three ops launch their own kernels and nothing else. Inductor copies every input it
-    believes a user kernel writes; a Triton helper function taking the pointers made it believe that of the
-    logits, and a 2.3 ms copy of them ran beside each backward (bench/results/profile_step28_1xH200.txt:
-    triton_poi_fused_3), so the forward kernel passes its helpers loaded values only."""
+    believes a user kernel writes; a Triton helper function taking the pointers makes it believe that of the
+    logits (a copy of them beside each backward), so the forward kernel passes its helpers loaded values only."""
     from torch._inductor.utils import run_and_get_code
 
     logits, targets = problem(8192, 50304, torch.bfloat16, "cuda")
@@ -150,7 +153,7 @@ def test_compiled_ops_launch_only_the_kernels():
 
 
 # --- CPU, Triton interpreter ------------------------------------------------------------------------------------
-test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 3, wraps_interpreted)
+test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 3)
 
 
 # Sizes off every tile: 2,500 columns = 2,048 + 452 (forward); the transpose's tiles: 100 rows = 64 + 36, 2,500

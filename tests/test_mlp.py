@@ -1,5 +1,5 @@
-"""The MLP's autograd.Function (model/layers.py, ReLU2MLP) against autograd through plain torch ops, and the Gluon
-kernels of model/mlp_kernels.py against the torch ops of model/layers.py (same names).
+"""The MLP's autograd.Function (model/fast/mlp.py, ReLU2MLP) against autograd through plain torch ops, and the Gluon
+kernels of model/fast/mlp_kernels.py against the torch ops of model/fast/mlp.py (same names).
 
 The kernels run on a Hopper GPU only (`pytest -m gpu`): Gluon has no interpreter, so the CPU tests cover the torch
 ops that every other device runs."""
@@ -10,10 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from helpers import output_and_grads as grads
-from model import layers
+
+pytest.importorskip("triton", reason="triton is not installed (CPU-only torch)")
+from model.fast import mlp_kernels
+from model.fast.blocks import FastMLP
+from model.fast.mlp import ReLU2MLP, matmul_add, relu2_matmul
 
 gpu = pytest.mark.gpu
-# the kernels' own tests; elsewhere ReLU2MLP runs the torch ops (model.mlp_kernels.supports)
+# the kernels' own tests; elsewhere ReLU2MLP runs the torch ops (model.fast.mlp_kernels.supports)
 hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                             reason="the Gluon kernels need a Hopper GPU (compute capability 9)")
 
@@ -38,7 +42,7 @@ def plain_mlp(x, w1, w2, r):
 
 
 def fused_mlp(x, w1, w2, r):
-    return layers.ReLU2MLP.apply(x, w1, w2, r, False)
+    return ReLU2MLP.apply(x, w1, w2, r, False)
 
 
 # --- CPU, torch ops -----------------------------------------------------------------------------------------------
@@ -63,10 +67,10 @@ def test_function_matches_autograd_in_bf16():
 
 
 def test_mlp_module_uses_the_function():
-    """model.layers.MLP on (B, T, D) is the plain MLP on the flattened tokens, weights cast to x's dtype, added to the
-    residual stream; the gradients reach its weights and both inputs as autograd's own."""
+    """FastMLP (model/fast/blocks.py) on (B, T, D) is the plain MLP on the flattened tokens, weights cast to x's
+    dtype, added to the residual stream; the gradients reach its weights and both inputs as autograd's own."""
     torch.manual_seed(0)
-    mlp = layers.MLP(16, 64)
+    mlp = FastMLP(16, 64)
     mlp.init_weights()
     with torch.no_grad():
         mlp.proj_w.normal_()
@@ -85,11 +89,9 @@ def check_kernels(m, k, n, device, rtol):
     """relu2_matmul, relu2_matmul_grad and matmul_add against fp64 torch ops of the same bf16 operands: within one
     bf16 rounding of each value (rtol) plus fp32 accumulation over the product's K, and exactly 0 where the
     pre-activation is 0."""
-    from model import mlp_kernels
-
     x, w1, w2, r, grad_y = operands(m, k, n, torch.bfloat16, device)
     h = mlp_kernels.relu2_matmul(x, w1)
-    want_h = layers.relu2_matmul(x.double(), w1.double())
+    want_h = relu2_matmul(x.double(), w1.double())
     assert h.dtype == torch.bfloat16 and h.shape == (m, n)
     torch.testing.assert_close(h.double(), want_h, rtol=rtol, atol=1e-5 * want_h.abs().max().item())
     g = mlp_kernels.relu2_matmul_grad(grad_y, w2, h)
@@ -99,7 +101,7 @@ def check_kernels(m, k, n, device, rtol):
     torch.testing.assert_close(g.double(), want_g, rtol=1.5 * rtol, atol=1e-5 * want_g.abs().max().item())
     assert not h[-1].any() and not g[-1].any()
     y = mlp_kernels.matmul_add(h, w2, r)
-    want_y = layers.matmul_add(h.double(), w2.double(), r.double())
+    want_y = matmul_add(h.double(), w2.double(), r.double())
     assert y.dtype == torch.bfloat16 and y.shape == (m, k)
     torch.testing.assert_close(y.double(), want_y, rtol=rtol, atol=1e-5 * want_y.abs().max().item())
     torch.testing.assert_close(y[-1], r[-1])  # h's last row is 0: the residual passes unchanged
@@ -123,8 +125,6 @@ def test_kernels_with_the_tile_in_the_output_buffer(m, k, n):
     """At 128 x 256 tiles in 3 stages, shared memory holds no second tile beside the ring and the output's, so the
     backward's h and the residual land in the output's buffer (SHARED_TILE): the kernels' results as at CONFIG. The
     training shape walks 8-9 tiles per program; 4100 x 1032 some programs two."""
-    from model import mlp_kernels
-
     config = (128, 256, 64, 3, 8)
     x, w1, w2, r, grad_y = operands(m, k, n, torch.bfloat16, "cuda")
     h = mlp_kernels.relu2_matmul(x, w1)

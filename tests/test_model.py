@@ -1,7 +1,6 @@
-"""model/gpt.py: zero-init and the ln(V) first loss, untied head, softcap bound, parameter groups, reductions,
-causality and document isolation on both attention backends, a tiny model that learns, the smear and the backout
-against references, and the compiled regions: one graph per block pattern, no zero gradients filled for outputs
-nothing reads."""
+"""model/gpt.py, the plain model: zero-init and the ln(V) first loss, untied head, softcap bound, parameter groups,
+reductions, causality and document isolation on both attention backends, a tiny model that learns, the gate, the
+U-net skips, the backout and the receptive field. model/fast's FastGPT is tested against it in tests/test_fast.py."""
 
 import dataclasses
 import math
@@ -13,19 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model import gpt as gpt_module
-from helpers import recorded_compile
-from model.attention import dense_mask
+from model.attention import attend, dense_mask
 from model.config import flops_per_token, mean_context, receptive_field, short_window
-from model.gpt import GPT, GPTConfig
-from model.head import IGNORE_INDEX
-from model.layers import add_all, apply_rotary, rotary_tables, smear
-from runtime.dist import use_device_paths
+from model.gpt import GPT, IGNORE_INDEX, GPTConfig, apply_rotary, rotary_tables
 
 BOS = 0
 TINY = GPTConfig(vocab_size=256, num_layers=4, model_dim=64, num_heads=2, head_dim=32, num_value_embeds=1,
                  block_size=32, bos_id=BOS)
-SMEARED = dataclasses.replace(TINY, smear=True)
 BACKOUT = dataclasses.replace(TINY, backout=True)
 T = 128
 
@@ -36,8 +29,8 @@ def tiny_model(config=TINY, backend="sdpa", random=False) -> GPT:
     torch.manual_seed(0)
     model = GPT(config)
     model.init_weights()
+    model.configure(torch.device("cpu"))
     model.attention_backend = backend
-    model.compute_dtype = torch.float32
     if random:
         with torch.no_grad():
             for p in model.parameters():
@@ -152,11 +145,9 @@ def test_reductions_agree_and_ignore_minus_100():
         model(inputs, targets, window, reduction="avg")
 
 
-@pytest.mark.parametrize("config", [TINY, SMEARED], ids=["plain", "smear"])
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
-def test_causality_and_document_isolation(backend, config):
-    """With the smear (random weights: open), too: it never carries a row into a document's first token."""
-    model = tiny_model(config, backend=backend, random=True)
+def test_causality_and_document_isolation(backend):
+    model = tiny_model(backend=backend, random=True)
     inputs, _ = batch()  # row 0: documents [0, 37), [37, 90), [90, 128)
     window = torch.tensor(T)
     with no_grad_for(backend), warnings.catch_warnings():
@@ -166,7 +157,7 @@ def test_causality_and_document_isolation(backend, config):
         future[1, 100] = 7 if inputs[1, 100] != 7 else 8
         changed = model.logits(future, window)
         other_doc = inputs.clone()
-        for t in (60, 89):  # 89: the last token before a document start, which the smear must not carry over
+        for t in (60, 89):  # 89: the last token before a document start
             other_doc[0, t] = 7 if inputs[0, t] != 7 else 8
         isolated = model.logits(other_doc, window)
     # exact: masked keys get weight exp(-inf) = 0, so nothing of them can leak in
@@ -187,7 +178,7 @@ def test_flex_and_sdpa_models_agree():
         assert (a - b).abs().max() < 1e-4  # fp32; losses of order 10 with random weights
 
 
-@pytest.mark.parametrize("config", [TINY, SMEARED, BACKOUT], ids=["plain", "smear", "backout"])
+@pytest.mark.parametrize("config", [TINY, BACKOUT], ids=["plain", "backout"])
 def test_every_parameter_gets_a_gradient(config):
     model = tiny_model(config, random=True)
     model(*batch(), torch.tensor(64)).backward()
@@ -209,7 +200,7 @@ def test_every_parameter_gets_a_gradient_at_odd_depths(num_layers):
 def test_user_errors():
     model = tiny_model(backend="flex")
     inputs, targets = batch()
-    with pytest.raises(ValueError, match="attention_backend = 'sdpa'"):
+    with pytest.raises(ValueError, match="attention_backend 'sdpa'"):
         model(inputs, targets, torch.tensor(64))
     with torch.no_grad(), pytest.raises(ValueError, match="multiple of the attention block size"):
         model(inputs[:, :100], targets[:, :100], torch.tensor(64))
@@ -282,24 +273,23 @@ def test_blocks_without_mlp_or_attention_equal_zeroed_ones():
 
 
 def test_zero_attention_gate_halves_each_head():
-    """Record #28's gate starts at sigmoid(0) = 1/2 for every head and token: the gated model equals an ungated one
-    whose attention output projections are halved (exactly: scaling by 1/2 is exact in floating point). The gate
-    then learns: its weights get a gradient."""
-    gated = tiny_model(random=True)
-    ungated = tiny_model(dataclasses.replace(TINY, attn_gate=False), random=True)
-    state = {k: v for k, v in gated.state_dict().items() if "gate_w" not in k}
-    ungated.load_state_dict(state)
+    """Record #28's gate starts at sigmoid(0) = 1/2 for every head and token: the gated output is exactly half the
+    ungated heads' projected output (scaling by 1/2 is exact in floating point). The gate then learns: its weights
+    get a gradient."""
+    model = tiny_model(random=True)
+    attn = model.blocks[0].attn
     with torch.no_grad():
-        for block in gated.blocks:
-            block.attn.gate_w.zero_()
-        for block in ungated.blocks:
-            block.attn.proj_w.mul_(0.5)
+        attn.gate_w.zero_()
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, T, TINY.num_heads, TINY.head_dim, generator=g) for _ in range(3))
+    x = torch.randn(2, T, TINY.model_dim, generator=g)
+    mask = dense_mask(torch.zeros(2, T, dtype=torch.int32), torch.tensor(64), TINY.block_size)
+    gated = attn.attend_and_project(q, k, v, x[..., :attn.gate_w.size(1)], mask)
+    heads = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, attn.scale).transpose(1, 2)
+    torch.testing.assert_close(gated, 0.5 * F.linear(heads.flatten(2), attn.proj_w), rtol=0, atol=0)
     inputs, targets = batch()
-    window = torch.tensor(64)
-    torch.testing.assert_close(gated(inputs, targets, window, reduction="none"),
-                               ungated(inputs, targets, window, reduction="none"), rtol=0, atol=0)
-    gated(inputs, targets, window).backward()
-    assert all(block.attn.gate_w.grad.abs().sum() > 0 for block in gated.blocks)
+    model(inputs, targets, torch.tensor(64)).backward()
+    assert all(block.attn.gate_w.grad.abs().sum() > 0 for block in model.blocks)
 
 
 def test_mean_context_counts_the_keys_of_the_attention_rule():
@@ -340,16 +330,15 @@ def test_partial_block_config_errors():
     GPTConfig(no_attention_layers=(0, 11))  # each embedding keeps a reader: layers 9 and 2
 
 
-@pytest.mark.parametrize("config", [TINY, SMEARED], ids=["plain", "smear"])
-def test_receptive_field_is_how_far_back_an_input_reaches(config):
+def test_receptive_field_is_how_far_back_an_input_reaches():
     """In one long document, changing the input token receptive_field() positions before a query changes the
     output there; one position further back it changes nothing, bit for bit (masked keys weigh exactly 0)."""
     window = 64
-    rf = receptive_field(config, window)
+    rf = receptive_field(TINY, window)
     # layers 0 and 3 long (64 = 2 blocks), 1 and 2 short (32 = 1 block): each moves 64 - 32 or 0 tokens back from a
-    # block's end to a block's end, and one reaches on to the first token of its block, 31 further; the smear 1 more
-    assert rf == 2 * 32 + 2 * 0 + 31 + config.smear
-    model = tiny_model(config, random=True)
+    # block's end to a block's end, and one reaches on to the first token of its block, 31 further
+    assert rf == 2 * 32 + 2 * 0 + 31
+    model = tiny_model(random=True)
     inputs = torch.randint(1, TINY.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))
     inputs[0, 0] = BOS
 
@@ -365,50 +354,6 @@ def test_receptive_field_is_how_far_back_an_input_reaches(config):
         base = output_at(q)
         assert not torch.equal(output_at(q, q - reach), base)
         assert torch.equal(output_at(q, q - reach - 1), base)
-
-
-def smear_by_hand(rows, inputs, gate, lam, bos_id):
-    """layers.smear one token at a time, in float64."""
-    out = rows.double().clone()
-    for b in range(rows.size(0)):
-        for t in range(1, rows.size(1)):
-            if inputs[b, t] != bos_id:
-                share = lam.double() * torch.sigmoid(rows[b, t, :gate.numel()].double() @ gate.double())
-                out[b, t] += share * rows[b, t - 1].double()
-    return out
-
-
-def test_smear_against_a_token_by_token_reference():
-    """The smear adds a gated share of the row before to every row but a sequence's first and a document's first
-    (BOS); with its weight at 0 (its init) it changes no bit, in bf16 too."""
-    g = torch.Generator().manual_seed(0)
-    inputs, _ = batch()
-    rows = torch.randn(2, T, 64, generator=g)
-    gate, lam = torch.randn(12, generator=g), torch.tensor([0.7])
-    out = smear(rows, inputs, gate, lam, BOS)
-    assert (out - smear_by_hand(rows, inputs, gate, lam, BOS)).abs().max() < 2e-6  # fp32 against float64
-    starts = inputs == BOS
-    starts[:, 0] = True
-    assert torch.equal(out[starts], rows[starts]) and (out[~starts] != rows[~starts]).any(-1).all()
-    rows_bf16 = rows.to(torch.bfloat16)
-    unchanged = smear(rows_bf16, inputs, gate.float(), torch.zeros(1), BOS)
-    assert unchanged.dtype == torch.bfloat16 and torch.equal(unchanged, rows_bf16)
-
-
-def test_smear_starts_as_the_model_without_it():
-    """Its gate and weight start at zero, so at init a model with the smear computes what one without does."""
-    smeared = tiny_model(SMEARED)
-    assert not smeared.smear_gate.any() and not smeared.smear_lambda.any()
-    scalar = smeared.param_groups()[-1]
-    assert scalar["name"] == "scalar"
-    assert {id(smeared.smear_gate), id(smeared.smear_lambda)} <= {id(p) for p in scalar["params"]}
-    plain = tiny_model(random=True)
-    smeared.load_state_dict(plain.state_dict(), strict=False)  # the same weights, the smear's kept at zero
-    inputs, targets = batch()
-    assert torch.equal(smeared(inputs, targets, torch.tensor(64)), plain(inputs, targets, torch.tensor(64)))
-    with torch.no_grad():
-        smeared.smear_lambda.fill_(0.5)
-    assert not torch.equal(smeared(inputs, targets, torch.tensor(64)), plain(inputs, targets, torch.tensor(64)))
 
 
 @pytest.mark.parametrize("num_layers", [1, 4, 5])
@@ -428,33 +373,6 @@ def test_backout_adds_its_weight_times_the_stream_entering_the_middle_block(num_
         expected = plain.hidden_states(inputs, window) - 0.2 * entering[0]
         got = backout.hidden_states(inputs, window)
     assert (got - expected).abs().max() < 1e-5
-
-
-@pytest.mark.gpu
-def test_compiled_smear_on_cuda_matches_eager():
-    """compile_regions compiles the smear with inductor: on bf16 rows its values match the eager ops', and its
-    gradients are at least as close as the eager ops' to an fp32 reference on the same values. (Eager autograd
-    rounds each use of the rows to bf16 before summing them, so eager and compiled may differ by two roundings.)"""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    inputs = torch.randint(1, 50304, (1, 4096), device="cuda", generator=g)
-    inputs[0, ::300] = 50256
-    rows = torch.randn(1, 4096, 768, device="cuda", generator=g).bfloat16().requires_grad_()
-    rows_fp32 = rows.detach().float().requires_grad_()
-    gate = (0.3 * torch.randn(12, device="cuda", generator=g)).requires_grad_()
-    lam = torch.full((1,), 0.4, device="cuda", requires_grad=True)
-    grad_out = torch.randn(1, 4096, 768, device="cuda", generator=g).bfloat16()  # exact in both dtypes
-    compiled = torch.compile(smear, dynamic=False, fullgraph=True)
-    results = []
-    for fn, x in ((smear, rows), (compiled, rows), (smear, rows_fp32)):
-        out = fn(x, inputs, gate, lam, 50256)
-        results.append((out, *torch.autograd.grad(out, (x, gate, lam), grad_out.to(out.dtype))))
-    (out, *eager), (out_c, *comp), (_, *ref) = results
-    torch.testing.assert_close(out_c, out)  # bf16's tolerance (rtol 1.6e-2): one rounding either way
-    rows_err, rows_err_eager = ((grads[0].float() - ref[0]).abs().max() for grads in (comp, eager))
-    assert rows_err <= rows_err_eager, (rows_err, rows_err_eager)
-    assert rows_err <= 2 ** -7 * ref[0].abs().max()  # a bf16 step at the largest value; a mask slip costs ~0.2
-    for got, want in zip(comp[1:], ref[1:]):  # fp32 sums of the same values, in another order
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
 
 
 BLOCK_LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
@@ -478,197 +396,20 @@ def test_compiled_attention_inputs_equal_eager():
     assert all(torch.equal(a, b) for a, b in zip(tables, eager_tables))
 
 
-@pytest.mark.parametrize("kwargs, options", [
-    ({}, gpt_module.REPEATABLE_COMPILE),
-    ({"options": {"shape_padding": True, "max_autotune": False}},  # given options are kept, and win
-     gpt_module.REPEATABLE_COMPILE | {"shape_padding": True, "max_autotune": False}),
-    ({"backend": "aot_eager"}, None),  # options are inductor's
-    ({"mode": "max-autotune-no-cudagraphs"}, None),  # torch.compile takes a mode or options, not both
-])
-def test_compile_regions_asks_inductor_for_repeatable_kernels(monkeypatch, kwargs, options):
-    """compile_regions gives every region compiled by inductor the options under which two processes make the same
-    kernels (gpt.REPEATABLE_COMPILE), the masks' graph persistent reductions off as well. The compiles are real:
-    torch.compile rejects an option this torch does not know when it is called, before anything compiles."""
-    calls = []
-    real_compile = torch.compile
-
-    def spy(fn, **given):
-        calls.append(given)
-        return real_compile(fn, **given)
-
-    monkeypatch.setattr(torch, "compile", spy)
-    model = tiny_model(dataclasses.replace(TINY, smear=True))
-    with torch._dynamo.config.patch(recompile_limit=8):  # compile_regions raises it; undone after
-        model.compile_regions(**kwargs)
-    assert len(calls) == 6 + TINY.num_layers  # embeddings, masks, each block, head, x0's gradient sum, norm, smear
-    if options is None:
-        assert all("options" not in c for c in calls)
-        return
-    masks = [c for c in calls if c["options"].get("triton.persistent_reductions") is False]
-    assert len(masks) == 1 and masks[0]["options"] == options | {"triton.persistent_reductions": False}
-    assert all(c["options"] == options for c in calls if c is not masks[0])
-    assert all(c["dynamic"] is False and c["fullgraph"] is True for c in calls)
-
-
-@pytest.mark.parametrize("parts, graphs", [
-    ({"no_attention_layers": (3,)}, 6),  # the record's patterns: value embedding or not, layer 7 without attention
-    ({"no_attention_layers": (3,), "no_mlp_layers": (0, 5), "value_residual": True}, 10),  # five: past the limit 8
-    ({"no_attention_layers": (3,), "smear": True}, 6),  # + the smear, once per mode
-])
-def test_compiled_regions_compile_one_graph_per_block_pattern(parts, graphs):
-    """compile_regions: training and validation together compile one block graph per presence pattern and mode,
-    the embeddings, x0's norm, the masks and the head once per mode, x0's gradient sum once; no recompile for the
-    first block, whose x starts as x0 (aliased inputs would be a pattern of their own), and none past dynamo's limit
-    (a fullgraph failure)."""
-    config = dataclasses.replace(TINY, num_layers=6, num_value_embeds=2, **parts)
-    model = tiny_model(config)
-    inputs, targets = batch()
-    with recorded_compile(model) as traced:
-        model(inputs, targets, torch.tensor(T)).backward()
-        with torch.no_grad():
-            model(inputs, targets, torch.tensor(T))
-    blocks = [gm for gm in traced if "lambdas" in gm.code]  # every block mixes x0 in; the masks are "block" too
-    # + embeddings, x0's norm, masks and head (and the smear), each for training and validation, and x0's gradient
-    # sum (training)
-    assert len(traced) == graphs + 9 + 2 * config.smear
-    assert len(blocks) == graphs
-
-
-@pytest.mark.parametrize("compiled", [True, False])
-def test_validation_reuses_the_training_graphs_of_a_compiled_model(compiled):
-    """train_gpt2.validation_loss_sum: for a compiled model the blocks run with autograd on, so that after a training
-    step a validation batch compiles one graph only, the head's for the sum, under no_grad. For an eager model
-    (compiled=False) everything runs under no_grad, which keeps no autograd graph and, on a compiled model, compiles
-    every region again, and the head sees only the scored rows. Either way the sum is the model's: here the targets
-    are a validation batch's, a row's first half its context (not scored), and a batch of the last rows, where nothing
-    is scored, sums to 0."""
-    from train_gpt2 import validation_loss_sum
-
-    model = tiny_model(dataclasses.replace(TINY, num_layers=4, num_value_embeds=2), random=True)
+def test_scored_loss_sum_is_the_loss_of_the_scored_tokens():
+    """GPT.scored_loss_sum (validation's sum): the head sees only the scored rows, nothing keeps a gradient, and the
+    sum is the model's; a batch where nothing is scored sums to 0."""
+    model = tiny_model(random=True)
     inputs, targets = batch()
     targets[1, :T // 2] = IGNORE_INDEX
     with torch.no_grad():
         want = model(inputs, targets, torch.tensor(T), reduction="sum")
-    hidden_states, seen = model.hidden_states, []
-
-    def recording_hidden_states(*args):
-        hidden = hidden_states(*args)
-        seen.append(hidden.requires_grad)
-        return hidden
-
-    with recorded_compile(model) as traced:
-        model(inputs, targets, torch.tensor(T)).backward()
-        trained = len(traced)
-        model.hidden_states = recording_hidden_states
-        head_rows = []
-        model.head.register_forward_pre_hook(lambda _, args: head_rows.append(args[0].shape[:2]))
-        got = validation_loss_sum(model, inputs, targets, torch.tensor(T), compiled=compiled)
-        # compiled: the head's graph for the sum alone; under no_grad throughout, the embeddings, x0's norm, the
-        # masks, the one block pattern of this model and the head again
-        assert len(traced) - trained == (1 if compiled else 5) and "sum" in traced[-1].code
-    assert seen == [compiled] and not got.requires_grad  # the blocks' autograd graph, if any, ends before the head
-    assert head_rows == [(2, T) if compiled else (1, T + T // 2)]
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
-    nothing_scored = torch.full_like(targets, IGNORE_INDEX)
-    assert validation_loss_sum(model, inputs, nothing_scored, torch.tensor(T), compiled=compiled).item() == 0
-
-
-@pytest.mark.gpu
-def test_eager_validation_on_the_gpu_paths_sums_the_scored_rows():
-    """train_gpt2.validation_loss_sum of an eager model on the GPU's paths (FlexAttention, bf16, the head's FP8
-    products and Triton kernel), whose head sees the scored rows only: the model's sum, and 0 for no scored row."""
-    from train_gpt2 import validation_loss_sum
-
-    # FlexAttention's GPU kernels tile by at least 64 (the model's default block of 128 here; TINY's 32 is the CPU's)
-    model = tiny_model(dataclasses.replace(TINY, block_size=128), random=True, backend="flex").cuda()
-    use_device_paths(model, torch.device("cuda"), fp8_head=True)
-    model.compute_dtype = torch.bfloat16
-    inputs, targets = (t.cuda() for t in batch())
-    targets[1, :T // 2] = IGNORE_INDEX
-    window = torch.tensor(T, device="cuda")
-    with torch.no_grad():
-        want = model(inputs, targets, window, reduction="sum")
     head_rows = []
     model.head.register_forward_pre_hook(lambda _, args: head_rows.append(args[0].shape[:2]))
-    got = validation_loss_sum(model, inputs, targets, window, compiled=False)
-    assert model.head.fp8 and model.head.fused and head_rows == [(1, T + T // 2)]
+    got = model.scored_loss_sum(inputs, targets, torch.tensor(T))
+    assert head_rows == [(1, T + T // 2)] and not got.requires_grad
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
-    nothing_scored = torch.full_like(targets, IGNORE_INDEX)
-    assert validation_loss_sum(model, inputs, nothing_scored, window, compiled=False).item() == 0
-
-
-class ZeroFills(TorchDispatchMode):
-    """Records the shape of every tensor that an op creates filled with zeros."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.zeros.default:
-            self.shapes.append(tuple(args[0]))
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.mark.parametrize("value_residual", [False, True])
-def test_compiled_backward_fills_no_zero_gradient_for_unread_outputs(value_residual):
-    """A compiled region's backward gets a gradient for every output, and autograd fills zeros for an output that
-    nothing read: one (B, T, H, d) tensor per block and micro-step while every block returned its values (2.1 ms of
-    the H200 step in bench/results/kernels_step28_1xH200_b613f20.txt). Only the block whose values the value residual
-    shares returns them, and the later blocks still read them."""
-    config = dataclasses.replace(TINY, value_residual=value_residual)
-    model = tiny_model(config, random=True)  # random output projections: the values' weights get a gradient
-    model.compile_regions(backend="aot_eager")  # aot_autograd's runtime fills the zeros, whatever the backend
-    model.add_gradients = add_all  # dynamo runs nothing under a dispatch mode (ZeroFills); this makes no zeros
-    inputs, targets = batch()
-    model(inputs, targets, torch.tensor(64)).backward()  # compiles outside the recording
-    loss = model(inputs, targets, torch.tensor(64))
-    with ZeroFills() as fills:
-        loss.backward()
-    assert [shape for shape in fills.shapes if len(shape) > 0] == []  # scalar zeros are the only ones left
-    first_value_weights = [block.attn.value_lambdas.grad[1].item() for block in model.blocks[1:]]
-    assert all((w != 0) == value_residual for w in first_value_weights), first_value_weights
-
-
-class PlainRows:
-    """TableRows' reference: the rows looked up again, through autograd."""
-
-    @staticmethod
-    def apply(rows_BTA, table_VA, sorted_ids_N, order_N, readers):
-        ids_BT = torch.empty_like(sorted_ids_N).index_copy_(0, order_N, sorted_ids_N).view(rows_BTA.shape[:-1])
-        return (F.embedding(ids_BT, table_VA).to(rows_BTA.dtype),) * readers
-
-
-class PlainFanOut:
-    """FanOut's reference: every reader gets the tensor itself, and autograd sums the gradients."""
-
-    @staticmethod
-    def apply(t, n, add):
-        return (t,) * n
-
-
-def test_routed_gradients_equal_plain_autograd(monkeypatch):
-    """TableRows (the embeddings' gradients added into the tables' .grad, each value embedding's two readers summed
-    as they are added) and FanOut (x0's gradients summed in one call) only route gradients: over two micro-batches,
-    each parameter's accumulated gradient equals plain autograd's, where the blocks read x0 itself and every table
-    is looked up through autograd."""
-    model = tiny_model(dataclasses.replace(TINY, num_value_embeds=2), random=True)
-    micro_batches = [batch(seed=0), batch(seed=1)]
-
-    def accumulated_grads():
-        model.zero_grad(set_to_none=True)
-        for inputs, targets in micro_batches:
-            model(inputs, targets, torch.tensor(T)).backward()
-        return {name: p.grad.clone() for name, p in model.named_parameters()}
-
-    routed = accumulated_grads()
-    monkeypatch.setattr(gpt_module, "TableRows", PlainRows)
-    monkeypatch.setattr(gpt_module, "FanOut", PlainFanOut)
-    plain = accumulated_grads()
-    assert routed.keys() == plain.keys()
-    for name, grad in plain.items():
-        torch.testing.assert_close(routed[name], grad, rtol=1e-5, atol=1e-6, msg=name)
-    assert all(emb.weight.grad.abs().sum() > 0 for emb in (model.embed, *model.value_embeds))
+    assert model.scored_loss_sum(inputs, torch.full_like(targets, IGNORE_INDEX), torch.tensor(T)).item() == 0
 
 
 def test_rotary_scores_depend_on_the_offset_only():

@@ -1,6 +1,6 @@
-"""The block input's autograd.Function (model/layers.py, MixNorm, on the Triton kernels of model/norm_kernels.py)
-against autograd through the torch ops of model.layers.mix_norm, and those against the closed forms the kernels
-compute.
+"""The block input's autograd.Function (model/fast/blocks.py, MixNorm, on the Triton kernels of
+model/fast/norm_kernels.py) against autograd through the torch ops of model.fast.blocks.mix_norm, and those against
+the closed forms the kernels compute.
 
 The kernels run on a GPU (`pytest -m gpu`) at the training's size, and on the CPU through the Triton interpreter
 where triton is installed, in a child pytest (`test_kernels_in_the_triton_interpreter`; see tests/helpers.py)."""
@@ -9,9 +9,11 @@ import re
 import pytest
 import torch
 
-from helpers import interpreted, interpreter_parent, wraps_interpreted
-from model import layers
-from model.fp8 import E4M3_MAX, normed_scale, to_e4m3
+from helpers import interpreted, interpreter_parent
+
+pytest.importorskip("triton", reason="triton is not installed (CPU-only torch)")
+from model.fast.blocks import MixNorm, mix_norm
+from model.fast.fp8 import E4M3_MAX, normed_scale, to_e4m3
 
 gpu = pytest.mark.gpu
 # (gate width, the outputs whose gradients reach backward: x, n, the gate's input): the model's block uses all three;
@@ -33,17 +35,17 @@ def problem(B, T, D, gate_width, dtype, device, seed=0):
 
 def on_kernels(x_in, x0, lambdas, gate_width):
     """MixNorm without n's e4m3 copy: mix_norm's three outputs."""
-    *outs, n8 = layers.MixNorm.apply(x_in, x0, lambdas, gate_width, False)
+    *outs, n8 = MixNorm.apply(x_in, x0, lambdas, gate_width, False)
     assert n8 is None
     return outs
 
 
 def on_kernels_fp8(x_in, x0, lambdas, gate_width):
     """MixNorm's three outputs when it also writes n's e4m3 copy (check_fp8_copy checks the copy): the kernel's
-    other variant. On the H200 its x differed from on_kernels' in some bits at D = 768, from the same arithmetic
-    (bench/results/gpu_tests_1xH200_c5d7026_first.txt; a product and an add contracted to an FMA in one variant,
-    presumably), so it is checked against fp64 as on_kernels is, not against on_kernels' bits."""
-    return layers.MixNorm.apply(x_in, x0, lambdas, gate_width, True)[:3]
+    other variant. Its x may differ from on_kernels' in some bits from the same arithmetic (a product and an add
+    contracted to an FMA in one variant), so it is checked against fp64 as on_kernels is, not against on_kernels'
+    bits."""
+    return MixNorm.apply(x_in, x0, lambdas, gate_width, True)[:3]
 
 
 def run(fn, inputs, gate_width, grads, used):
@@ -56,7 +58,7 @@ def run(fn, inputs, gate_width, grads, used):
 
 
 def closed_forms(inputs, gate_width, grads, used):
-    """run's results by the formulas of model/norm_kernels.py, in fp64, and the magnitudes' sum of the products
+    """run's results by the formulas of model/fast/norm_kernels.py, in fp64, and the magnitudes' sum of the products
     whose sums are lambdas' gradient (the scale of its rounding error). The gate's input is n's first channels, so
     its gradient adds to theirs; through n = x r, r = 1 / rms(x): r (g_n - n mean(g_n n))."""
     eps = torch.finfo(torch.promote_types(inputs[0].dtype, torch.float32)).eps  # F.rms_norm's: its arithmetic's
@@ -74,7 +76,7 @@ def closed_forms(inputs, gate_width, grads, used):
 
 
 def check_fp8_copy(B, T, D, gate_width, dtype, device, agreeing=1.0):
-    """MixNorm's fourth output with fp8: n's e4m3 copy, outside autograd, bit for bit model.fp8.to_e4m3 of the n
+    """MixNorm's fourth output with fp8: n's e4m3 copy, outside autograd, bit for bit model.fast.fp8.to_e4m3 of the n
     beside it at normed_scale (the cast the attention's FP8 product would otherwise make), in at least the fraction
     `agreeing` of its values. Row 0 is all in one channel: its n is sqrt(D) there, the bound that maps to
     E4M3_MAX."""
@@ -82,7 +84,7 @@ def check_fp8_copy(B, T, D, gate_width, dtype, device, agreeing=1.0):
     for t in inputs[:2]:
         t[0, 0] = 0.0
         t[0, 0, 5] = 1.0
-    _, n, _, n8 = layers.MixNorm.apply(*[t.detach().requires_grad_() for t in inputs], gate_width, True)
+    _, n, _, n8 = MixNorm.apply(*[t.detach().requires_grad_() for t in inputs], gate_width, True)
     want = to_e4m3(n.detach(), normed_scale(n))
     assert n8.dtype == torch.float8_e4m3fn and n8.shape == n.shape and not n8.requires_grad
     same = n8.view(torch.uint8) == want.view(torch.uint8)
@@ -97,7 +99,7 @@ def check(fn, B, T, D, dtype, device, rtol, atol):
     for gate_width, used in CASES:
         inputs, grads = problem(B, T, D, gate_width, dtype, device)
         got = run(fn, inputs, gate_width, grads, used)
-        exact = run(layers.mix_norm, [t.double() for t in inputs], gate_width, [g.double() for g in grads], used)
+        exact = run(mix_norm, [t.double() for t in inputs], gate_width, [g.double() for g in grads], used)
         _, bound = closed_forms(inputs, gate_width, grads, used)
         for i, (a, want) in enumerate(zip(got, exact, strict=True)):
             assert a.dtype == (torch.float32 if i == 5 else dtype) and a.shape == want.shape, (gate_width, used, i)
@@ -111,11 +113,11 @@ def check(fn, B, T, D, dtype, device, rtol, atol):
 # --- CPU ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_torch_ops_match_the_kernels_closed_forms(dtype):
-    """autograd through mix_norm (the Block's path off CUDA, the same ops as before the kernels) gives the closed
-    forms the kernels compute: outputs and the gradients of x, x0 and lambdas, with and without the gate."""
+    """autograd through mix_norm (FastBlock's path off CUDA: model/gpt.py's x0_mix and norm) gives the closed forms
+    the kernels compute: outputs and the gradients of x, x0 and lambdas, with and without the gate."""
     for gate_width, used in CASES:
         inputs, grads = problem(2, 5, 48, gate_width, dtype, "cpu")
-        got = run(layers.mix_norm, inputs, gate_width, grads, used)
+        got = run(mix_norm, inputs, gate_width, grads, used)
         want, _ = closed_forms(inputs, gate_width, grads, used)
         for i, (a, b) in enumerate(zip(got, want, strict=True)):
             tol = 1e-12 if a.dtype == torch.float64 else 1e-5  # lambdas' gradient is fp32, as lambdas
@@ -134,8 +136,8 @@ def test_kernels_on_gpu_match_autograd(B, T, D, gate_width, fn):
     run."""
     inputs, grads = problem(B, T, D, gate_width, torch.bfloat16, "cuda")
     got = run(fn, inputs, gate_width, grads, "xng")
-    own = run(layers.mix_norm, inputs, gate_width, grads, "xng")
-    exact = run(layers.mix_norm, [t.double() for t in inputs], gate_width, [g.double() for g in grads], "xng")
+    own = run(mix_norm, inputs, gate_width, grads, "xng")
+    exact = run(mix_norm, [t.double() for t in inputs], gate_width, [g.double() for g in grads], "xng")
     _, bound = closed_forms(inputs, gate_width, grads, "xng")
     for i, (mine, theirs, want) in enumerate(zip(got, own, exact, strict=True)):
         if want.numel() == 0:  # without a gate its input is empty
@@ -178,14 +180,13 @@ def test_fp8_copy_on_gpu(B, T, D, gate_width):
 def test_compiled_fp8_copy_is_the_forward_kernels_own():
     """Compiled, the forward with n's e4m3 copy launches the one kernel (no cast of n by inductor), and the results
     equal eager's bit for bit. Here the 0-d normed_scale gets a fill kernel of its own; in the compiled block
-    inductor fuses that fill into another kernel (no such kernel in
-    bench/results/kernels_step28_1xH200_c5d7026.txt)."""
+    inductor fuses that fill into another kernel."""
     from torch._inductor.utils import run_and_get_code
 
     inputs, _ = problem(1, 4096, 768, 12, torch.bfloat16, "cuda")
 
     def forward(x_in, x0, lambdas):
-        return layers.MixNorm.apply(x_in, x0, lambdas, 12, True)
+        return MixNorm.apply(x_in, x0, lambdas, 12, True)
 
     got, codes = run_and_get_code(torch.compile(forward, dynamic=False, fullgraph=True), *inputs)
     launched = [re.sub(r"(_\d+)+$", "", name) for name in re.findall(r"(\w+)\.run\(", "\n".join(codes))]
@@ -196,7 +197,7 @@ def test_compiled_fp8_copy_is_the_forward_kernels_own():
 
 
 # --- CPU, Triton interpreter --------------------------------------------------------------------------------------
-test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 1, wraps_interpreted)
+test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 1)
 
 
 @interpreted

@@ -1,5 +1,5 @@
-"""The U-net skip's autograd.Function (model/layers.py, SkipAdd) against autograd through x + w s, and the Triton
-kernels of model/skip_kernels.py against fp64 torch ops.
+"""The U-net skip's autograd.Function (model/fast/routing.py, SkipAdd) against autograd through x + w s, and the
+Triton kernels of model/fast/skip_kernels.py against fp64 torch ops.
 
 The kernels run on a GPU (`pytest -m gpu`) at the training's size, and on the CPU through the Triton interpreter
 where triton is installed, in a child pytest (`test_kernels_in_the_triton_interpreter`; see tests/helpers.py)."""
@@ -7,8 +7,11 @@ where triton is installed, in a child pytest (`test_kernels_in_the_triton_interp
 import pytest
 import torch
 
-from helpers import interpreted, interpreter_parent, wraps_interpreted, output_and_grads as grads
-from model import layers
+from helpers import interpreted, interpreter_parent, output_and_grads as grads
+
+pytest.importorskip("triton", reason="triton is not installed (CPU-only torch)")
+from model.fast import skip_kernels
+from model.fast.routing import SkipAdd, skip_add
 
 gpu = pytest.mark.gpu
 
@@ -25,16 +28,16 @@ def operands(shape, dtype, device, seed=0):
 def test_function_matches_autograd(dtype):
     """On the CPU the Function's torch ops give autograd's values, to rounding."""
     args = operands((2, 5, 16), dtype, "cpu")
-    for got, want in zip(grads(layers.SkipAdd.apply, *args), grads(layers.skip_add, *args), strict=True):
+    for got, want in zip(grads(SkipAdd.apply, *args), grads(skip_add, *args), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12 if dtype == torch.float64 else 1e-6, atol=1e-6)
 
 
 def test_function_with_the_stream_as_its_own_skip():
-    """The middle block's skip is the residual stream itself (GPT.hidden_states): x + w x, whose gradient for x is
-    g + w g, summed by autograd over the Function's two inputs."""
+    """The middle block's skip is the residual stream itself (FastGPT.hidden_states): x + w x, whose gradient for x
+    is g + w g, summed by autograd over the Function's two inputs."""
     x, _, w, g = operands((3, 7), torch.float64, "cpu")
     x, w = x.requires_grad_(), w.double().requires_grad_()
-    layers.SkipAdd.apply(x, x, w).backward(g)
+    SkipAdd.apply(x, x, w).backward(g)
     torch.testing.assert_close(x.grad, (1 + w.detach()) * g)
     torch.testing.assert_close(w.grad, (g * x.detach()).sum())
 
@@ -44,8 +47,6 @@ def check_kernels(shape, device, rtol):
     (rtol) of the exact value, or 1e-6 where x + w s cancels (the fp32 w s is rounded before the sum; the
     operands are ~N(0, 1)); the weight's gradient, a sum of 10^3 to 10^7 products, within 1e-4 of the sum
     of their magnitudes (fp32 partial sums)."""
-    from model import skip_kernels
-
     x, s, w, g = operands(shape, torch.bfloat16, device)
     out = skip_kernels.skip_add(x, s, w)
     want = x.double() + w.double() * s.double()
@@ -70,15 +71,15 @@ def test_function_on_gpu_matches_autograd_and_repeats():
     """On the kernels, the Function against autograd's bf16 ops, both against fp64: each result at least as close to
     fp64 as autograd's (fp32 arithmetic, one rounding), and the weight's gradient the same bits on a second run."""
     args = operands((2, 4096, 768), torch.bfloat16, "cuda")
-    exact = grads(layers.skip_add, *[t.double() for t in args])
-    got = grads(layers.SkipAdd.apply, *args)
-    for mine, own, want in zip(got, grads(layers.skip_add, *args), exact, strict=True):
+    exact = grads(skip_add, *[t.double() for t in args])
+    got = grads(SkipAdd.apply, *args)
+    for mine, own, want in zip(got, grads(skip_add, *args), exact, strict=True):
         assert (mine.double() - want).abs().max() <= (own.double() - want).abs().max()
-    assert torch.equal(got[3], grads(layers.SkipAdd.apply, *args)[3])
+    assert torch.equal(got[3], grads(SkipAdd.apply, *args)[3])
 
 
 # --- CPU, Triton interpreter --------------------------------------------------------------------------------------
-test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 1, wraps_interpreted)
+test_kernels_in_the_triton_interpreter = interpreter_parent(__file__, 1)
 
 
 @interpreted

@@ -1,23 +1,13 @@
-"""Triton kernels of the attention's inputs (model/layers.py, QKVPrep) on CUDA: from the fused projection's
-(B, T, 3H, d) output, the QK-norm and rotary embedding of q and k and the mix of the values, in one pass each way.
+"""Triton kernels of the attention's inputs (model/fast/blocks.py, QKVPrep): from the fused projection's
+(B, T, 3H, d) output, q and k's QK-norm and rotary embedding and the values' mix, reading every row once each way.
+- forward: q, k, v and the optional value inputs in; q, k normed and rotated, and the mixed v out;
+- backward: the output gradients (any strides: FlexAttention's come transposed) and the forward's inputs in; the
+  projection's gradient (for FP8QKV only as an e4m3 copy at a delayed scale, with its amax), the value inputs'
+  gradients and one fp32 partial sum per program and value weight, which torch sums in a fixed order. 1 / rms is
+  recomputed, not saved.
 
-Compiled from torch ops (model.layers.qkv_prep), the forward took two kernels per layer and micro-batch on the
-H200: q and k's norm and rotation (168 us, its reductions looping three times over each row) and the values' mix
-(37-54 us); the backward two more (208 and 81-120 us) (bench/results/kernels_step28_1xH200_fa8347a.txt). Their
-traffic is 0.45-0.53 GB forward and 0.68-0.83 GB backward, 106-124 and 159-195 us at the 4.26 TB/s a copy
-reached there. Here each side reads every row once (below), and the whole step took 661.0 ms against 680.4 on one
-machine (bench/results/README.md):
-- forward: q, k, v and the optional value inputs in; q and k normed and rotated, and the mixed v out;
-- backward: the three output gradients (any strides: FlexAttention's come transposed) and the forward's inputs
-  in; the projection's gradient (B, T, 3H, d) (for FP8QKV only as an e4m3 copy at a delayed scale, with its
-  absolute maximum), the value inputs' gradients and one fp32 partial sum per program and value weight out,
-  which torch sums (a fixed order: the same bits every run). The norm's 1 / rms is recomputed from q and k rather
-  than saved.
-
-All arithmetic is fp32 (the value weights are read as the fp32 masters), with one rounding per stored value.
-The functions are torch.library.triton_ops, as in model/head_kernels.py: they run inside the compiled blocks,
-where inductor launches the kernels directly. Launch configurations are fixed (autotuning would lengthen the
-cold compile). No @triton.jit helper here takes a pointer: inductor would count it as written and copy it.
+Arithmetic is fp32, one rounding per stored value. Configurations are fixed, as autotuning would lengthen the cold
+compile. No @triton.jit helper takes a pointer: inductor would count it as written and copy it.
 
 Shape legend: B batch rows, T tokens, H heads, d head dim, P = d // 2 rotary pairs; R = B T H rows of d.
 """
@@ -25,15 +15,14 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
-from model.fp8 import E4M3_MAX, delayed_scale
+from model.fast.fp8 import E4M3_MAX, delayed_scale
+from model.fast.launch import launcher
 
 _EPS = tl.constexpr(1.1920928955078125e-07)  # F.rms_norm's default: fp32's eps, also for bf16 input
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
-# (rows per program, warps): of 12 configurations (bench/results/qkv_kernels_1xH200.json), the fastest backward and
-# within 0.5% of the fastest forward, with and without a value embedding: forward 0.120 / 0.136 ms, backward
-# 0.169 / 0.205 ms per micro-batch, against 0.147 / 0.164 ms forward for inductor's kernels of the torch ops
+# (rows per program, warps): the fastest backward tried and near the fastest forward, with or without value inputs
 FORWARD_CONFIG = (16, 4)
 BACKWARD_CONFIG = (16, 4)
 
@@ -98,7 +87,7 @@ def _abs_max(x):
 
 @triton.jit
 def _e4m3(x, inv_scale):
-    """model.fp8.to_e4m3 at the scale whose inverse is inv_scale: scaled, clamped to e4m3's range, cast once."""
+    """fp8.to_e4m3 at the scale whose inverse is inv_scale."""
     return tl.clamp(x * inv_scale, -_E4M3_MAX, _E4M3_MAX).to(tl.float8e4nv)
 
 
@@ -120,7 +109,7 @@ def _qkv_backward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve
     angle = t[:, None] * P + half
     cos = tl.load(cos_ptr + angle, mask=inside, other=0.0)
     sin = tl.load(sin_ptr + angle, mask=inside, other=0.0)
-    # FP8: dqkv only as an e4m3 copy (into g8, in dqkv's layout) and its absolute maximum (one atomic per program)
+    # FP8: dqkv only as an e4m3 copy and its amax (one atomic per program)
     inv_scale = 1.0
     amax = 0.0
     if FP8:
@@ -181,7 +170,7 @@ def _qkv_backward_kernel(qkv_ptr, cos_ptr, sin_ptr, lambdas_ptr, v_first_ptr, ve
 
 
 def supports(head_dim: int) -> bool:
-    """Whether the kernels take this head width: each half is one tl.arange, whose length must be a power of 2."""
+    """Whether the kernels take this head width: each half must be a power of 2 (one tl.arange)."""
     half = head_dim // 2
     return head_dim % 2 == 0 and half >= 1 and half & (half - 1) == 0
 
@@ -190,7 +179,7 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor, *values: Tens
     B, T, H3, d = qkv.shape
     torch._check(qkv.is_contiguous() and H3 % 3 == 0 and supports(d),
                  lambda: "qkv must be the projection's contiguous (B, T, 3H, d) output, d a power of 2 "
-                         "(model.qkv_kernels.supports)")
+                         "(model.fast.qkv_kernels.supports)")
     torch._check(cos.shape == sin.shape == (T, d // 2) and cos.is_contiguous() and sin.is_contiguous()
                  and cos.dtype == sin.dtype == torch.float32, lambda: "cos and sin must be contiguous fp32 (T, d/2)")
     torch._check(lambdas.shape == (3,) and lambdas.is_contiguous(), lambda: "three value weights")
@@ -203,14 +192,14 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor, *values: Tens
 @triton_op("speedrun::qkv_prep", mutates_args=())
 def qkv_prep(qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor, v_first: Tensor | None,
              ve: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """(q, k, v), each (B, T, H, d) in qkv's dtype: model.layers.qkv_prep."""
+    """(q, k, v), each (B, T, H, d) in qkv's dtype: model.gpt.prepare_qkv."""
     _check(qkv, cos, sin, lambdas, v_first, ve)
     B, T, H3, d = qkv.shape
     H = H3 // 3
     q, k, v = (qkv.new_empty((B, T, H, d)) for _ in range(3))
     block_r, warps = FORWARD_CONFIG
     R = B * T * H
-    wrap_triton(_qkv_forward_kernel)[(triton.cdiv(R, block_r),)](
+    launcher(_qkv_forward_kernel)[(triton.cdiv(R, block_r),)](
         qkv, cos, sin, lambdas, qkv if v_first is None else v_first, qkv if ve is None else ve, q, k, v, R, T,
         H=H, D=d, BLOCK_R=block_r, HAS_V_FIRST=v_first is not None, HAS_VE=ve is not None, num_warps=warps)
     return q, k, v
@@ -219,16 +208,14 @@ def qkv_prep(qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor, v_first: Te
 def _backward(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor,
               v_first: Tensor | None, ve: Tensor | None, g8: Tensor | None, inv_scale: Tensor | None,
               amax: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Launch the backward kernel: (dqkv, lambdas' gradient, v_first's, ve's); with g8 (FP8), dqkv only as its
-    e4m3 copy into g8, and its amax into amax: (g8, then the same)."""
+    """(dqkv, lambdas' gradient, v_first's, ve's); with g8, dqkv only as its e4m3 copy into g8, amax raised."""
     _check(qkv, cos, sin, lambdas, v_first, ve)
     B, T, H3, d = qkv.shape
     H = H3 // 3
     for g in (dq, dk, dv):
         torch._check(g.shape == (B, T, H, d) and g.stride(3) == 1,
                      lambda: "output gradients of shape (B, T, H, d), each row unit-stride")
-    # dqkv's pointer is g8's with FP8 (it is never written); an absent input's gradient is never written either: its
-    # pointer is dqkv's (a 0-element tensor may have none), and so are the FP8 outputs' without FP8
+    # unwritten outputs' pointers are dqkv's (a 0-element tensor may have none); with FP8 dqkv is g8
     dqkv = torch.empty_like(qkv) if g8 is None else g8
     dv_first = torch.empty_like(v_first) if v_first is not None else qkv.new_empty(0)
     dve = torch.empty_like(ve) if ve is not None else qkv.new_empty(0)
@@ -236,7 +223,7 @@ def _backward(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, sin:
     R = B * T * H
     programs = triton.cdiv(R, block_r)
     partial = torch.empty((programs, 3), dtype=torch.float32, device=qkv.device)
-    wrap_triton(_qkv_backward_kernel)[(programs,)](
+    launcher(_qkv_backward_kernel)[(programs,)](
         qkv, cos, sin, lambdas, qkv if v_first is None else v_first, qkv if ve is None else ve, dq, dk, dv,
         dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), dqkv, dqkv if v_first is None else dv_first,
@@ -249,8 +236,7 @@ def _backward(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, sin:
 @triton_op("speedrun::qkv_prep_grad", mutates_args=())
 def qkv_prep_grad(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor,
                   v_first: Tensor | None, ve: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The gradients for (qkv, lambdas, v_first, ve) from those of qkv_prep's outputs; an absent value input's
-    gradient is an empty tensor, and so is its weight's entry of lambdas' gradient 0."""
+    """The gradients of (qkv, lambdas, v_first, ve); an absent value input's is empty, its lambda's 0."""
     return _backward(dq, dk, dv, qkv, cos, sin, lambdas, v_first, ve, None, None, None)
 
 
@@ -258,13 +244,13 @@ def qkv_prep_grad(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, 
 def qkv_prep_grad_fp8(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, lambdas: Tensor,
                       v_first: Tensor | None, ve: Tensor | None,
                       amax: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """qkv_prep_grad, with qkv's gradient only as an e4m3 copy (B T, 3 H d) at the scale of amax
-    (model.fp8.delayed_scale), which the kernel then sets to this gradient's absolute maximum: (g8, scale, then the
-    gradients of lambdas, v_first and ve). model.layers.qkv_prep_grad_fp8."""
+    """qkv_prep_grad with qkv's gradient only as an e4m3 copy (B T, 3 H d) at amax's delayed scale; amax then holds
+    its absolute maximum. Returns (g8, scale, lambdas', v_first's, ve's gradients); reference:
+    model.fast.blocks.qkv_prep_grad_fp8."""
     torch._check(amax.dtype == torch.float32 and amax.dim() == 0, lambda: "amax must be a 0-D fp32 tensor")
     B, T, H3, d = qkv.shape
     scale = delayed_scale(amax)
-    amax.zero_()  # after the scale is read: the kernel's programs raise it from 0
+    amax.zero_()  # after the scale is read: the kernel raises it from 0
     g8 = qkv.new_empty((B * T, H3 * d), dtype=torch.float8_e4m3fn)
     _, *others = _backward(dq, dk, dv, qkv, cos, sin, lambdas, v_first, ve, g8, 1 / scale, amax)
     return g8, scale, *others

@@ -1,19 +1,6 @@
-"""Triton kernels of the U-net skip (model/layers.py, SkipAdd) on CUDA: out = x + w s, with s the output of a
-first-half block and w its learned 0-D weight, and the gradients w g (for s) and sum(g s) (for w).
-
-The skip runs between the compiled blocks, as eager torch ops. There, the product with the 0-D weight took
-torch's unvectorised broadcast kernel (`elementwise_kernel<128, 4, ...>` in
-bench/results/profile_step28_1xH200_fa8347a.txt, 92 us a call), and forward and backward took five kernels. Here
-the forward reads x and s once and writes out; the backward reads g and s once and writes w g and one fp32 partial
-sum per program, which torch sums (a fixed order: the same bits every run). Per 49,152-token micro-batch on the
-H200 the forward took 0.059 ms against 0.145, forward + backward 0.231 against 0.426
-(bench/results/skip_kernels_1xH200.json), and the whole step 685.6 ms against 696.8 on one machine
-(bench/results/README.md).
-
-The launches are direct, not through torch.library: these run eagerly, and the MLP's kernels, called eagerly
-through `wrap_triton`, took 0.95 and 1.10 ms between two CUDA events against 0.43 ms in the compiled step
-(bench/results/README.md): the host's launch, slower than the kernel. Weights are read in their own dtype (fp32
-masters) and all arithmetic is fp32; the stored tensors take x's dtype.
+"""Triton kernels of the U-net skip (model/fast/routing.py, SkipAdd): out = x + w s, w a 0-D weight, and the
+gradients w g and sum(g s), each reading its inputs once, in fp32; torch sums the per-program partial sums in a
+fixed order. The skip runs eagerly, so the launches are direct: torch.library's eager launch costs more host time.
 """
 import torch
 import triton
@@ -26,7 +13,7 @@ _BLOCK, _WARPS = 4096, 8
 
 @triton.jit
 def _skip_add_kernel(x_ptr, s_ptr, w_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 49,152 x 768 x B passes 2^31 at B = 57
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # the element count may pass 2^31
     inside = offsets < n
     w = tl.load(w_ptr).to(tl.float32)
     x = tl.load(x_ptr + offsets, mask=inside).to(tl.float32)
@@ -54,7 +41,7 @@ def _check(x: Tensor, s: Tensor, w: Tensor) -> None:
 
 
 def skip_add(x: Tensor, s: Tensor, w: Tensor) -> Tensor:
-    """x + w s in x's dtype, computed in fp32: model.layers.skip_add."""
+    """x + w s in x's dtype, computed in fp32: model.fast.routing.skip_add."""
     _check(x, s, w)
     out = torch.empty_like(x)
     n = x.numel()

@@ -1,0 +1,123 @@
+"""FastGPT: model/gpt.py's GPT (same parameters and math) on model/fast's fused paths, compiled region by region:
+FastBlocks and FastHead, embedding gradients straight into their tables (TableRows), x0's readers' gradients summed
+in one pass (FanOut), U-net skips as one kernel each way (SkipAdd), and with `fp8` FP8 products.
+
+Shape legend: as model/gpt.py.
+"""
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from model.fast.blocks import FastBlock, fp8_parts
+from model.fast.head import FastHead
+from model.fast.routing import FanOut, SkipAdd, TableRows, add_all, sort_ids
+from model.gpt import GPT, norm
+
+# Inductor options under which two processes make the same kernels: by default it picks matmul padding and
+# reduction configurations by timing them, and each choice changes the roundings.
+REPEATABLE_COMPILE = {"shape_padding": False, "test_configs.force_filter_reduction_configs": True,
+                      "dynamic_scale_rblock": False}
+
+
+class FastGPT(GPT):
+    """GPT on the fused paths; `compile_regions()` compiles each region separately with REPEATABLE_COMPILE."""
+
+    make_block, make_head = FastBlock, FastHead
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.add_gradients = add_all  # sums x0's gradients (FanOut); compile_regions compiles it
+        self.norm_rows = norm  # x0 from the embedding's rows; compile_regions compiles it
+        self.compiled = False
+
+    def configure(self, device: torch.device, fp8: bool = False) -> "FastGPT":
+        """GPT.configure; with fp8, the blocks' FP8 products on Hopper (16-byte aligned rows) and the head's on 8.9+."""
+        super().configure(device)
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+        c = self.config
+        aligned = c.model_dim % 16 == 0 and (c.num_heads * c.head_dim) % 16 == 0
+        self.head.fp8 = fp8 and capability >= (8, 9)
+        for part in fp8_parts(self.blocks):
+            part.fp8 = part.fp8_backward = fp8 and aligned and capability[0] == 9
+        return self
+
+    def fp8_in_use(self) -> dict[str, bool]:
+        """Which parts run FP8 products, for the run's log."""
+        parts = fp8_parts(self.blocks)
+        return {"head": self.head.fp8, "blocks": bool(parts) and all(part.fp8 for part in parts)}
+
+    def scale_histories(self) -> list[Tensor]:
+        return [part.grad_amax for part in fp8_parts(self.blocks) if part.fp8_backward]
+
+    def compile_regions(self, **kwargs) -> None:
+        kwargs = {"dynamic": False, "fullgraph": True} | kwargs
+        takes_options = kwargs.get("backend", "inductor") == "inductor" and "mode" not in kwargs
+        if takes_options:
+            kwargs = kwargs | {"options": REPEATABLE_COMPILE | kwargs.get("options", {})}
+        # Block.forward has a graph per presence pattern of its optional inputs: two per layer suffice
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, 2 * self.config.num_layers)
+        self.embed_inputs = torch.compile(self.embed_inputs, **kwargs)
+        # a persistent reduction over the masks' rows compiles for minutes
+        mask_kwargs = kwargs
+        if takes_options:
+            mask_kwargs = kwargs | {"options": kwargs["options"] | {"triton.persistent_reductions": False}}
+        self.attention_inputs = torch.compile(self.attention_inputs, **mask_kwargs)
+        for block in self.blocks:
+            block.compile(**kwargs)
+        self.head.compile(**kwargs)
+        self.add_gradients = torch.compile(self.add_gradients, **kwargs)
+        self.norm_rows = torch.compile(self.norm_rows, **kwargs)
+        self.compiled = True
+
+    def embed_inputs(self, inputs_BT: Tensor) -> list[Tensor]:
+        """[the embedding's rows (B, T, D), then each value embedding's (B, T, A)], detached (TableRows)."""
+        return [F.embedding(inputs_BT, emb.weight.detach()).to(self.compute_dtype)
+                for emb in (self.embed, *self.value_embeds)]
+
+    def hidden_states(self, inputs_BT: Tensor, window: Tensor) -> Tensor:
+        cfg = self.config
+        self.check_inputs(inputs_BT)
+        window = torch.as_tensor(window, dtype=torch.int64, device=inputs_BT.device)
+        masks, cos_TP, sin_TP = self.attention_inputs(inputs_BT, window)
+        rows_BTD, *ves_BTA = self.embed_inputs(inputs_BT)
+        # each value embedding feeds two layers: one view of its rows for each
+        if torch.is_grad_enabled():
+            sorted_ids_N, order_N = sort_ids(inputs_BT)
+            (rows_BTD,) = TableRows.apply(rows_BTD, self.embed.weight, sorted_ids_N, order_N, 1)
+            ves_BTA = [list(TableRows.apply(ve_BTA, emb.weight, sorted_ids_N, order_N, 2))
+                       for ve_BTA, emb in zip(ves_BTA, self.value_embeds)]
+        else:
+            ves_BTA = [[ve_BTA, ve_BTA] for ve_BTA in ves_BTA]
+        x0_BTD = self.norm_rows(rows_BTD)
+        L, num_skips = cfg.num_layers, cfg.num_layers // 2
+        # one view of x0 per reader, their gradients summed in one pass
+        *x0s_BTD, x_BTD = FanOut.apply(x0_BTD, L + 1, self.add_gradients)
+        # a copy: aliased inputs would make dynamo compile the first block's graph again
+        x_BTD = x_BTD.clone()
+        skips, v_first_BTHd = [], None
+        for i, block in enumerate(self.blocks):
+            if i >= L - num_skips:
+                x_BTD = SkipAdd.apply(x_BTD, skips.pop(), self.skip_weights[i - (L - num_skips)])
+            if i == L // 2:
+                mid_BTD = x_BTD
+            ve_index = cfg.value_embed_index(i)
+            ve_BTA = None if ve_index is None else ves_BTA[ve_index].pop()
+            x_BTD, v_BTHd = block(x_BTD, x0s_BTD[i], v_first_BTHd, ve_BTA, cos_TP, sin_TP,
+                                  masks[cfg.is_short_window(i)])
+            if v_BTHd is not None:
+                v_first_BTHd = v_BTHd
+            if i < num_skips:
+                skips.append(x_BTD)
+        if self.backout_weight is not None:
+            x_BTD = SkipAdd.apply(x_BTD, mid_BTD, self.backout_weight[0])
+        return x_BTD
+
+    def scored_loss_sum(self, inputs_BT: Tensor, targets_BT: Tensor, window: Tensor) -> Tensor:
+        """GPT.scored_loss_sum; compiled, the blocks run with autograd on, reusing their training graphs."""
+        if not self.compiled:
+            return super().scored_loss_sum(inputs_BT, targets_BT, window)
+        with torch.enable_grad():
+            hidden_BTD = self.hidden_states(inputs_BT, window)
+        with torch.no_grad():
+            return self.head(hidden_BTD, targets_BT, "sum")
