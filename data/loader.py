@@ -18,40 +18,71 @@ import torch
 
 from data.prepare import SAMPLE_DIR
 from data.shard import BOS_ID, check_token_ids, read_header, read_shard
+from runtime.errors import UserError
 
 DOWNLOAD_HINT = "download FineWeb shards with `python data/cached_fineweb10B.py N` or make your own with " \
                 "`python -m data.prepare INPUT... --out DIR`"
 SPLIT_GLOBS = {"--train_files": "*_train_*.bin", "--val_files": "*_val_*.bin"}  # names data.prepare and FineWeb use
 
 
-class DataExhausted(ValueError):
+class DataExhausted(UserError):
     """The training data ended and `cycle` is off."""
 
 
-def _folder_error(folder: str, pattern: str, flag: str) -> ValueError:
+def _unreadable_folder_error(folder, pattern: str, flag: str) -> UserError:
+    return UserError(f"{flag}={pattern!r}: the folder {folder} is not readable by this user, so its shard files "
+                      f"cannot be listed: make it readable with `chmod a+rx {folder}`, or run as a user allowed to "
+                      f"read it")
+
+
+def _unreadable_folder(pattern: str) -> Path | None:
+    """The first folder before `pattern`'s first wildcard that this process may not enter (or, where the glob
+    lists it, read), or None."""
+    fixed = []
+    for part in Path(pattern).parent.parts:
+        if glob.escape(part) != part:  # escape changes exactly the parts with wildcards
+            break
+        fixed.append(part)
+    folders = [Path(*fixed[:i]) for i in range(1, len(fixed) + 1)] or [Path(".")]
+    lists_last = glob.escape(pattern) != pattern  # a wildcard after the last fixed folder: the glob reads it
+    for folder in folders:
+        if not folder.is_dir():
+            return None  # absent: the plain no-match message applies
+        need = os.R_OK | os.X_OK if lists_last and folder == folders[-1] else os.X_OK
+        if not os.access(folder, need):
+            return folder
+    return None
+
+
+def _folder_error(folder: str, pattern: str, flag: str) -> UserError:
     """A folder where shard files were expected; the message names the glob of the shards inside it."""
     given = f"{flag}={pattern!r} " + ("is a folder" if folder == pattern else f"matches the folder {folder}")
+    if not os.access(folder, os.R_OK | os.X_OK):
+        return _unreadable_folder_error(folder, pattern, flag)
     if Path(folder).resolve() == SAMPLE_DIR:
-        return ValueError(f"{given}: for the sample corpus give {flag}=sample")
+        return UserError(f"{given}: for the sample corpus give {flag}=sample")
     for name in (SPLIT_GLOBS[flag], "*.bin"):  # "*.bin" for shards named another way
         suggestion = os.path.join(folder, name)
         if found := glob.glob(suggestion):
-            return ValueError(f"{given}: use {flag}={suggestion!r} instead, the glob of the {len(found)} shard "
+            return UserError(f"{given}: use {flag}={suggestion!r} instead, the glob of the {len(found)} shard "
                               f"file(s) in it")
-    return ValueError(f"{given} with no shard files (*.bin) in it: {DOWNLOAD_HINT}, then give {flag} their glob")
+    return UserError(f"{given} with no shard files (*.bin) in it: {DOWNLOAD_HINT}, then give {flag} their glob")
 
 
 def _shard_paths(pattern: str, flag: str) -> list[str]:
     paths = sorted(glob.glob(pattern))
     if not paths:
+        # glob passes over folders it may not read, and would leave the message below to blame the data
+        if (unreadable := _unreadable_folder(pattern)) is not None:
+            raise _unreadable_folder_error(unreadable, pattern, flag)
         # glob reads [ and ] as a character class; a folder named with them needs them escaped
         escaped = os.path.join(glob.escape(os.path.dirname(pattern)), os.path.basename(pattern))
         if escaped != pattern and glob.glob(escaped):
-            raise ValueError(f"no shard files match {flag}={pattern!r}, whose folder name holds [ or ], which a glob "
+            raise UserError(f"no shard files match {flag}={pattern!r}, whose folder name holds [ or ], which a glob "
                              f"reads as a set of characters: use {flag}={escaped!r}")
         # run.sh starts in the repo folder, so a relative glob may be read from elsewhere than the user stands
         where = "" if os.path.isabs(pattern) else f" (a relative glob, read from {os.getcwd()})"
-        raise ValueError(f"no shard files match {flag}={pattern!r}{where}: {DOWNLOAD_HINT}, or fix {flag}")
+        raise UserError(f"no shard files match {flag}={pattern!r}{where}: {DOWNLOAD_HINT}, or fix {flag}")
     folder = next((p for p in paths if os.path.isdir(p)), None)
     if folder is not None:
         raise _folder_error(folder, pattern, flag)
@@ -69,8 +100,7 @@ def _to_device(rows: np.ndarray, targets: np.ndarray, device: torch.device) -> t
     """(inputs int32, targets int64) on `device`; on CUDA through pinned memory with asynchronous copies."""
     if device.type != "cuda":
         return torch.from_numpy(rows.astype(np.int32)), torch.from_numpy(targets.astype(np.int64))
-    # Fresh pinned tensors each call: PyTorch's caching host allocator reuses a block only once the copy that
-    # read it has finished, so the host never overwrites data still in flight.
+    # fresh pinned tensors: the caching host allocator reuses a block only after its copy has finished
     inputs_cpu = torch.empty(rows.shape, dtype=torch.int32, pin_memory=True)
     targets_cpu = torch.empty(targets.shape, dtype=torch.int64, pin_memory=True)
     inputs_cpu.numpy()[:] = rows
@@ -86,11 +116,11 @@ class TrainLoader:
         for name, value in (("--seq_len", seq_len), ("--batch_size", batch_size),
                             ("--device_batch_size", device_batch_size)):
             if value <= 0:
-                raise ValueError(f"{name}={value} must be positive")
+                raise UserError(f"{name}={value} must be positive")
         assert 0 <= rank < world_size, f"rank {rank} outside world of size {world_size}"
         per_micro_step = device_batch_size * world_size
         if batch_size % per_micro_step:
-            raise ValueError(f"--batch_size={batch_size} sequences is not a multiple of --device_batch_size="
+            raise UserError(f"--batch_size={batch_size} sequences is not a multiple of --device_batch_size="
                              f"{device_batch_size} x {world_size} GPUs = {per_micro_step}: change --batch_size "
                              f"or --device_batch_size so that it divides")
         self.pattern, self.seq_len, self.batch_size = pattern, seq_len, batch_size
@@ -104,7 +134,7 @@ class TrainLoader:
         if self.counts[0] < step_tokens:
             fix = ("remove the empty file, or make --train_files skip it" if self.counts[0] == 0 else
                    "lower --batch_size or --seq_len, or use larger shards")
-            raise ValueError(f"the first training shard {self.paths[0]} holds {self.counts[0]:,} tokens, fewer than "
+            raise UserError(f"the first training shard {self.paths[0]} holds {self.counts[0]:,} tokens, fewer than "
                              f"one optimizer step needs (--batch_size={batch_size} x --seq_len={seq_len} + 1 = "
                              f"{step_tokens:,}): {fix}")
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
@@ -113,6 +143,15 @@ class TrainLoader:
         self._micro = 0  # micro-step within the current optimizer step
         self._window, self._starts = None, None
         self._tokens(0)
+
+    def paths_for(self, num_steps: int) -> list[str]:
+        """The shards that the first `num_steps` optimizer steps can read: all with `cycle`, else those holding the
+        most tokens the steps can take (alignment skips up to seq_len - 1 before each sequence)."""
+        if self.cycle:
+            return list(self.paths)
+        per_sequence = 2 * self.seq_len - 1 if self.align_to_bos else self.seq_len
+        reach = num_steps * self.batch_size * per_sequence + 1
+        return self.paths[:int(np.searchsorted(np.cumsum(self.counts), reach)) + 1]
 
     # ---- shards: loaded on a background thread, one ahead of the one in use
     def _tokens(self, i: int) -> np.ndarray:
@@ -136,7 +175,7 @@ class TrainLoader:
     def _plan_step(self) -> tuple[np.ndarray, np.ndarray, tuple[int, int, int]]:
         """The tokens ahead of the cursor, the step's sequence starts in them, and the cursor after the step."""
         B, T = self.batch_size, self.seq_len
-        # Alignment can skip up to T-1 tokens before each sequence, so this many tokens always suffice.
+        # alignment skips up to T - 1 tokens before each sequence
         need = B * (2 * T - 1) + 1 if self.align_to_bos else B * T + 1
         pieces, segments = [], []  # segments: (shard, position, epoch, length) of each piece
         place = (self._shard, self._position, self._epoch)
@@ -199,7 +238,7 @@ class TrainLoader:
     def load_state_dict(self, state: dict) -> None:
         shard, position, epoch = int(state["shard"]), int(state["position"]), int(state["epoch"])
         if not (0 <= shard < len(self.paths) and 0 <= position < self.counts[shard]):
-            raise ValueError(f"the checkpoint's data position (shard {shard}, token {position}) does not exist in "
+            raise UserError(f"the checkpoint's data position (shard {shard}, token {position}) does not exist in "
                              f"the {len(self.paths)} shard(s) matching {self.pattern!r}: resume with the "
                              f"--train_files the run started with")
         self._shard, self._position, self._epoch, self._micro = shard, position, epoch, 0
@@ -209,19 +248,16 @@ class TrainLoader:
 class ValLoader:
     """The first `val_tokens` predictions of the validation stream, in micro-batches of the training shape.
 
-    Row r (of all ranks' rows, in order) holds stream tokens [r * S, r * S + seq_len) with S = seq_len - context:
-    its first `context` predictions repeat the end of row r - 1 and are not scored (-100), they only give the
-    scored tokens after them the context they have in the unbroken stream. With context >= the longest attention
-    window - 1, every scored token sees exactly the keys it would see in one endless sequence, so the loss does not
-    depend on seq_len (context 0: consecutive cut sequences; the first tokens after each cut lose their document's
-    beginning). Targets past the first `val_tokens` predictions are -100 too, so the loss counts exactly
-    `val_tokens` tokens. Each iteration starts from the beginning.
+    Row r (of all ranks' rows) holds stream tokens [r * S, r * S + seq_len), S = seq_len - context: its first
+    `context` predictions repeat row r - 1's end unscored (-100), as context only. With context >= the longest
+    window - 1 every scored token sees the keys it would see in one endless sequence, so the loss does not depend on
+    seq_len. Exactly `val_tokens` targets are scored; each iteration starts from the beginning.
     """
 
     def __init__(self, pattern: str, *, val_tokens: int, seq_len: int, device_batch_size: int, rank: int,
                  world_size: int, device, context: int = 0):
         if val_tokens <= 0:
-            raise ValueError(f"--val_tokens={val_tokens} must be positive: it is how many tokens each validation "
+            raise UserError(f"--val_tokens={val_tokens} must be positive: it is how many tokens each validation "
                              f"scores (the speedrun's --val_tokens=10485760)")
         assert 0 <= context < seq_len, f"context {context} outside 0..{seq_len - 1} (runtime.config.derive checks it)"
         assert 0 <= rank < world_size, f"rank {rank} outside world of size {world_size}"
@@ -231,7 +267,7 @@ class ValLoader:
         paths = _shard_paths(pattern, "--val_files")
         available = sum(read_header(p) for p in paths)
         if available < val_tokens + 1:
-            raise ValueError(f"the {len(paths)} validation shard(s) matching {pattern!r} hold {available:,} tokens, "
+            raise UserError(f"the {len(paths)} validation shard(s) matching {pattern!r} hold {available:,} tokens, "
                              f"but --val_tokens={val_tokens:,} needs {val_tokens + 1:,} (one more input than "
                              f"predictions): lower --val_tokens or point --val_files at more data")
         # row 0 scores seq_len predictions, every later row `stride` more
@@ -258,7 +294,7 @@ class ValLoader:
             positions = (row_B * self.stride)[:, None] + np.arange(T + 1)
             # Positions past the stream repeat its last token; every target there is ignored anyway.
             rows = self._stream[np.minimum(positions, len(self._stream) - 1)]
-            # stream position of the first target each row scores: all of row 0's, a later row's after its context
+            # the first scored target's stream position: row 0 from its start, later rows after their context
             first_scored_B = np.where(row_B > 0, positions[:, 0] + self.context, 0) + 1
             scored = (positions[:, 1:] >= first_scored_B[:, None]) & (positions[:, 1:] <= self.val_tokens)
             targets = np.where(scored, rows[:, 1:].astype(np.int64), -100)

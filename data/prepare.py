@@ -2,16 +2,16 @@
 
     python -m data.prepare INPUT... --out DIR [--val_tokens N] [--shard_tokens N] [--workers N] [--name PREFIX]
 
-INPUTs are files or directories (searched recursively, hidden entries skipped) of `.txt` / `.md` files (one
-file is one document) and `.jsonl` files (one document per line, its "text" field), each optionally gzipped.
-Every document is GPT-2 encoded and preceded by <|endoftext|>. The first val_tokens + 1 tokens go to
-`<name>_val_000000.bin` (the + 1 is the input before the first prediction, so training with the same
-`--val_tokens` finds exactly enough), the rest to `<name>_train_000001.bin, ...` of shard_tokens each: the
-layout of the FineWeb shards. A .txt/.md file that is not UTF-8 is skipped with a warning and counted in the
-summary; a .jsonl line that is not a UTF-8 JSON object with a "text" string is an error naming file:line.
-Errors exit with status 2 and leave no partial output.
+INPUTs are files or directories (recursive, hidden entries skipped) of .txt / .md files (one document each),
+.jsonl files (one document per line, its "text" field), optionally gzipped, and text files without an extension.
+Each document is GPT-2 encoded after <|endoftext|>. The first val_tokens + 1 tokens (the + 1 is the input before
+the first prediction) go to `<name>_val_000000.bin`, the rest to `<name>_train_000001.bin, ...` of shard_tokens
+each, the FineWeb shards' layout. A directory's file that cannot be read is skipped with a warning naming it and
+why; a named file that cannot be read, or a bad .jsonl line, is an error. Errors exit with status 2 and leave no
+partial output.
 """
 import argparse
+import codecs
 import gzip
 import hashlib
 import json
@@ -21,6 +21,8 @@ import shutil
 import sys
 import tempfile
 import time
+import zlib
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -28,47 +30,95 @@ from tqdm import tqdm
 
 from data.shard import BOS_ID, FINEWEB_SHARD_TOKENS, write_shard
 from data.tokenizer import get_encoding
+from runtime.errors import UserError
 
 TEXT_SUFFIXES, JSONL_SUFFIXES = (".txt", ".md"), (".jsonl",)
+SNIFF_BYTES = 8192  # of a file without an extension, read to tell text from binary
+READS = ".txt, .md and .jsonl files, optionally gzipped (.txt.gz, ...), and text files without an extension"
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+GZIP_ERRORS = (gzip.BadGzipFile, EOFError, zlib.error)  # a damaged header, a cut file, damaged data
 DEFAULT_VAL_TOKENS = 10_485_760  # the speedrun's validation set size
-BATCH_CHARS = 1 << 20  # text per worker task: large enough to hide IPC, small enough to balance the pool
+BATCH_CHARS = 1 << 20  # text per worker task: hides IPC, balances the pool
 SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
-SAMPLE_VAL_TOKENS = 65_536  # enough for a steady smoke-run validation loss, small next to the ~1.5M-token sample
+SAMPLE_VAL_TOKENS = 65_536  # a steady smoke-run validation loss, small next to the sample
 
 
-class PrepareError(ValueError):
+class PrepareError(UserError):
     """A problem with the inputs or options of data.prepare; the message names the file or flag."""
 
 
-def _kind(path: Path) -> str | None:
+def _unreadable(path: Path, error: OSError) -> tuple[str, str]:
+    return "unreadable", f"cannot be read ({error.strerror}); make it readable with `chmod a+r {path}` to include it"
+
+
+def _not_utf8(raw: bytes, error: UnicodeDecodeError) -> tuple[str, str]:
+    source = "utf-16" if raw[:2] in UTF16_BOMS else "latin1"  # UTF-16 starts with a byte-order mark
+    return "not UTF-8", (f"not UTF-8 text ({error.reason} at byte {error.start}); convert it to include it, e.g. "
+                         f"`iconv -f {source} -t utf-8`")
+
+
+def _open_text(path: Path):
+    """The file's bytes, uncompressed if it is gzipped, as a binary stream."""
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def _classify(path: Path) -> tuple[str | None, str, str]:
+    """(kind, "", "") for a file data.prepare reads, kind "text" or "jsonl"; (None, category, why) for one it does
+    not, `why` ending in the fix where there is one."""
     name = path.name.removesuffix(".gz")
     if name.endswith(TEXT_SUFFIXES):
-        return "text"
-    return "jsonl" if name.endswith(JSONL_SUFFIXES) else None
+        return "text", "", ""
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl", "", ""
+    if suffix := Path(name).suffix:
+        extension = suffix + path.name[len(name):]  # with the .gz, if any
+        return None, "unknown extension", f"unknown extension {extension}: data.prepare reads {READS}"
+    try:
+        with _open_text(path) as f:
+            head = f.read(SNIFF_BYTES)
+    except GZIP_ERRORS as error:
+        return None, "binary", f"not a valid gzip file ({error})"
+    except OSError as error:
+        return (None, *_unreadable(path, error))
+    if b"\0" in head and head[:2] not in UTF16_BOMS:
+        return None, "binary", "binary, not text (it holds NUL bytes)"
+    try:
+        # a character cut at the end of the prefix is fine, at the end of the file it is not
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < SNIFF_BYTES)
+    except UnicodeDecodeError as error:
+        return (None, *_not_utf8(head, error))
+    return "text", "", ""
 
 
-def input_files(inputs, ignored: list[Path] | None = None) -> list[Path]:
-    """The files to read, in a deterministic order: inputs as given, each directory's files sorted, each file once
-    (a file named twice, or inside a folder also given, would land in both splits). A directory's files of other
-    types are appended to `ignored`."""
+def input_files(inputs, skipped: list) -> list[tuple[Path, str]]:
+    """The files to read with their kind ("text" or "jsonl"), in a fixed order, each once (else it could land in
+    both splits). A directory's unread files go to `skipped` as (path, category, why); an unreadable named file is a
+    PrepareError."""
     files = []
     for given in map(Path, inputs):
         if given.is_dir():
             visible = sorted(p for p in given.rglob("*") if p.is_file()
                              and not any(part.startswith(".") for part in p.relative_to(given).parts))
-            files += [p for p in visible if _kind(p)]
-            if ignored is not None:
-                ignored += [p for p in visible if not _kind(p)]
+            for path in visible:
+                kind, category, why = _classify(path)
+                if kind:
+                    files.append((path, kind))
+                else:
+                    skipped.append((path, category, why))
         elif given.is_file():
-            if not _kind(given):
-                raise PrepareError(f"{given}: unsupported file type; data.prepare reads .txt, .md and .jsonl "
-                                   "files, optionally gzipped (.txt.gz, ...)")
-            files.append(given)
+            kind, _, why = _classify(given)
+            if not kind:
+                raise PrepareError(f"{given}: {why}")
+            try:  # named on purpose, so not to be passed over: checked now, before any output exists
+                open(given, "rb").close()
+            except OSError as error:
+                raise PrepareError(f"{given}: {_unreadable(given, error)[1]}") from None
+            files.append((given, kind))
         else:
             raise PrepareError(f"input {given} does not exist: pass existing files or directories")
     first = {}  # each file's first mention, in the order given
-    for path in files:
-        first.setdefault(path.resolve(), path)
+    for path, kind in files:
+        first.setdefault(path.resolve(), (path, kind))
     once = list(first.values())
     if len(once) < len(files):
         print(f"warning: {len(files) - len(once)} file(s) given more than once (by name, or inside a folder also "
@@ -77,26 +127,27 @@ def input_files(inputs, ignored: list[Path] | None = None) -> list[Path]:
 
 
 def _read(path: Path) -> bytes:
-    if path.suffix != ".gz":
-        return path.read_bytes()
-    try:
-        return gzip.decompress(path.read_bytes())
-    except (OSError, EOFError) as error:
-        raise PrepareError(f"{path}: not a valid gzip file ({error}); fix or remove it") from None
+    with _open_text(path) as f:
+        try:
+            return f.read()
+        except GZIP_ERRORS as error:
+            raise PrepareError(f"{path}: not a valid gzip file ({error}); fix or remove it") from None
 
 
-def documents(files, skipped: list[Path]):
-    """Yield the documents of `files`; files skipped for not being UTF-8 are appended to `skipped`."""
-    for path in files:
-        raw = _read(path)
-        if _kind(path) == "text":
+def documents(files, skipped: list):
+    """Yield the documents of `files` ((path, kind) pairs); the files skipped while reading (not UTF-8, unreadable)
+    are appended to `skipped` as (path, category, why)."""
+    for path, kind in files:
+        try:
+            raw = _read(path)
+        except OSError as error:
+            skipped.append((path, *_unreadable(path, error)))
+            continue
+        if kind == "text":
             try:
                 text = raw.decode("utf-8-sig")  # a leading byte-order mark is no part of the text
             except UnicodeDecodeError as error:
-                source = "utf-16" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else "latin1"  # UTF-16 starts with a BOM
-                print(f"warning: skipping {path}: not UTF-8 text ({error.reason} at byte {error.start}); convert "
-                      f"it to include it, e.g. `iconv -f {source} -t utf-8`", file=sys.stderr)
-                skipped.append(path)
+                skipped.append((path, *_not_utf8(raw, error)))
                 continue
             if text:
                 yield text
@@ -114,6 +165,23 @@ def documents(files, skipped: list[Path]):
                                    "must be an object with a \"text\" field")
             if record["text"]:
                 yield record["text"]
+
+
+def _no_documents(listed: int, skipped: list, named: int = 5) -> str:
+    """What the files held, for the message that no documents were found: the skipped ones by name and why."""
+    if not skipped:
+        return f"{listed} file(s), all empty" if listed else "no files"
+    names = "; ".join(f"{path}: {why}" for path, _, why in skipped[:named])
+    more = f"; and {len(skipped) - named} more, named above" if len(skipped) > named else ""
+    return f"{listed} file(s), {len(skipped)} skipped: {names}{more}"
+
+
+def _skip_counts(skipped: list) -> str:
+    """The summary's count of skipped files by category, e.g. `3 skipped: 1 binary, 2 unknown extension`."""
+    counts = Counter(category for _, category, _ in skipped)
+    if len(counts) == 1:
+        return f"{len(skipped)} skipped: {next(iter(counts))}"
+    return f"{len(skipped)} skipped: " + ", ".join(f"{n} {category}" for category, n in sorted(counts.items()))
 
 
 def _batches(docs):
@@ -143,7 +211,7 @@ def _encoded(batches, workers: int):
     if workers == 1:  # in-process: no pool start-up for small jobs
         yield from map(encode_batch, batches)
         return
-    # spawn, not fork: a caller (a training script) may hold threads that fork would copy mid-lock.
+    # spawn, not fork: a caller may hold threads that fork would copy mid-lock
     with multiprocessing.get_context("spawn").Pool(workers, initializer=get_encoding) as pool:
         yield from pool.imap(encode_batch, batches)  # ordered, so the output is deterministic
 
@@ -187,8 +255,9 @@ def prepare(inputs, out, val_tokens: int = DEFAULT_VAL_TOKENS, shard_tokens: int
                            "be positive (and --shard_tokens below 2**31)")
     if not name or "/" in name:
         raise PrepareError(f"--name={name!r} must be a plain file name prefix")
-    ignored = []
-    files = input_files(inputs, ignored)
+    skipped = []
+    files = input_files(inputs, skipped)
+    listed = len(files) + len(skipped)
     try:
         get_encoding()  # missing or damaged vocabulary files fail here, before any output or worker exists
     except OSError as error:
@@ -210,7 +279,7 @@ def prepare(inputs, out, val_tokens: int = DEFAULT_VAL_TOKENS, shard_tokens: int
             shutil.rmtree(out, ignore_errors=True)
         raise PrepareError(f"cannot write to --out {out} ({error.strerror}): choose a folder you can write "
                            f"to") from None
-    skipped, doc_count = [], 0
+    doc_count = 0
 
     def counted(docs):
         nonlocal doc_count
@@ -225,12 +294,15 @@ def prepare(inputs, out, val_tokens: int = DEFAULT_VAL_TOKENS, shard_tokens: int
             for tokens in _encoded(batches, workers):
                 writer.add(tokens)
                 progress.update(len(tokens))
+        # the skipped files together, after the progress bar
+        for path, _, why in skipped:
+            print(f"warning: skipping {path}: {why}", file=sys.stderr)
         total = sum(writer.sizes) + writer.pending_len
         if doc_count == 0:
-            raise PrepareError(f"no documents found in {', '.join(map(str, inputs))} ({len(files)} readable "
-                               f"files, {len(skipped)} skipped): give .txt/.md/.jsonl files with text in them")
+            raise PrepareError(f"no documents found in {', '.join(map(str, inputs))} ({_no_documents(listed, skipped)}"
+                               f"): give .txt/.md/.jsonl files with text in them, or text files without an extension")
         if total <= val_tokens + 1:
-            # The advice must pass this check itself: 1 <= --val_tokens <= total - 2 (at least one train token).
+            # the advice must pass this check itself: 1 <= --val_tokens <= total - 2
             fix = (f"lower --val_tokens (e.g. to {max(1, total // 10):,}) or add text" if total >= 3 else
                    "add text (the smallest --val_tokens, 1, needs 3 tokens: 2 for validation, 1 for training)")
             raise PrepareError(f"the corpus has {total:,} tokens, but the validation shard alone takes --val_tokens "
@@ -246,20 +318,15 @@ def prepare(inputs, out, val_tokens: int = DEFAULT_VAL_TOKENS, shard_tokens: int
         raise
     staging.rmdir()
     seconds = time.perf_counter() - start
-    return {"files": len(files), "skipped_files": len(skipped), "ignored_files": len(ignored),
-            "documents": doc_count, "tokens": total,
+    return {"files": listed, "skipped": skipped, "documents": doc_count, "tokens": total,
             "val_tokens": writer.sizes[0], "train_tokens": total - writer.sizes[0], "shards": shards,
             "seconds": seconds, "tokens_per_second": total / seconds}
 
 
 def ensure_sample_shards(out_root=None) -> tuple[str, str]:
-    """Tokenize the shipped sample corpus (data/sample/*.jsonl.gz) once; return (train_glob, val_glob).
-
-    The shards live in a folder named after the sample's hash, so an updated sample is re-tokenized, and the
-    folder appears by one atomic rename, so ranks that call this at the same time never see half of it. By default
-    that folder is data/sample/shards, or, in a checkout that cannot be written to (a read-only mount in a
-    container), gpt-speedrun-sample in the system's temporary folder.
-    """
+    """Tokenizes the shipped sample corpus (data/sample/*.jsonl.gz) once; returns (train_glob, val_glob). The
+    shards' folder is named after the sample's hash and appears by one atomic rename, so that concurrent ranks never
+    see half of it; it lies in data/sample/shards, or in the temporary folder where the checkout is read-only."""
     sources = sorted(SAMPLE_DIR.glob("*.jsonl.gz"))
     if not sources:
         raise PrepareError(f"the sample corpus (*.jsonl.gz) is missing from {SAMPLE_DIR}: restore it with "
@@ -276,7 +343,7 @@ def ensure_sample_shards(out_root=None) -> tuple[str, str]:
         root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
         try:
-            # In-process (workers=1): ~2 s for the sample, and no worker processes inside a training process.
+            # in-process: no worker processes inside a training process
             prepare(sources, staging / "shards", val_tokens=SAMPLE_VAL_TOKENS, name="sample", workers=1)
             os.rename(staging / "shards", final)
         except OSError:
@@ -303,12 +370,10 @@ def main(argv=None) -> None:
     except PrepareError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    ignored = (f"; {summary['ignored_files']} of other types ignored, data.prepare reads .txt, .md and .jsonl"
-               if summary["ignored_files"] else "")
-    print(f"{summary['documents']:,} documents from {summary['files']} files ({summary['skipped_files']} skipped: "
-          f"not UTF-8{ignored}): {summary['tokens']:,} tokens ({summary['val_tokens']:,} val, "
-          f"{summary['train_tokens']:,} train) in {len(summary['shards'])} shards in {args.out}; "
-          f"{summary['seconds']:.1f} s, {summary['tokens_per_second']:,.0f} tokens/s")
+    skipped = f" ({_skip_counts(summary['skipped'])})" if summary["skipped"] else ""  # each named in a warning
+    print(f"{summary['documents']:,} documents from {summary['files']} files{skipped}: {summary['tokens']:,} tokens "
+          f"({summary['val_tokens']:,} val, {summary['train_tokens']:,} train) in {len(summary['shards'])} shards in "
+          f"{args.out}; {summary['seconds']:.1f} s, {summary['tokens_per_second']:,.0f} tokens/s")
 
 
 if __name__ == "__main__":

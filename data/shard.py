@@ -10,8 +10,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from runtime.errors import UserError
 
-MAGIC = 20240520  # llm.c's magic for GPT-2 token shards (the date the format was fixed)
+MAGIC = 20240520  # llm.c's magic for GPT-2 token shards
 VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -26,7 +27,7 @@ _FIX_PARTIAL = ("the file is incomplete (interrupted download or write): delete 
                 "`python data/cached_fineweb10B.py N` or re-create it with `python -m data.prepare`")
 
 
-class ShardError(ValueError):
+class ShardError(UserError):
     """A shard file that cannot be used; the message names the file, the problem and the fix."""
 
 
@@ -56,6 +57,11 @@ def write_shard(path, tokens) -> None:
         raise
 
 
+def _unreadable(path: Path, error: PermissionError) -> ShardError:
+    return ShardError(f"shard {path}: cannot be read ({error.strerror}): make it readable with `chmod a+r {path}`, "
+                      f"or run as a user allowed to read it")
+
+
 def read_header(path) -> int:
     """Return the token count of the shard at `path` after checking its header against its size."""
     path = Path(path)
@@ -63,8 +69,11 @@ def read_header(path) -> int:
     if size < HEADER_BYTES:
         raise ShardError(f"shard {path}: only {size} bytes, shorter than the {HEADER_BYTES}-byte header; "
                          f"{_FIX_PARTIAL}")
-    with open(path, "rb") as f:
-        header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+    try:
+        with open(path, "rb") as f:
+            header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+    except PermissionError as error:
+        raise _unreadable(path, error) from None
     if header[0] != MAGIC:
         raise ShardError(f"shard {path}: magic number {header[0]}, expected {MAGIC}: this is not a token shard; "
                          f"{_FIX_WRITE}")
@@ -86,14 +95,30 @@ def read_shard(path) -> np.ndarray:
     count = read_header(path)
     if count == 0:
         return np.zeros(0, dtype=np.uint16)
-    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
+    try:
+        return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
+    except PermissionError as error:  # its mode changed since read_header opened it
+        raise _unreadable(Path(path), error) from None
 
 
-def check_token_ids(tokens: np.ndarray, path) -> None:
-    """Raise ShardError if any id in `tokens` (read from shard `path`) is outside GPT-2's vocabulary."""
+def check_token_ids(tokens: np.ndarray, path, vocab_size: int = VOCAB_SIZE) -> None:
+    """Raises ShardError if an id in `tokens` (of shard `path`) is not a GPT-2 id below `vocab_size`."""
     if tokens.size == 0:
         return
     top = int(tokens.max())
     if top >= VOCAB_SIZE:
         raise ShardError(f"shard {path}: holds token id {top}, but the GPT-2 vocabulary has {VOCAB_SIZE} ids: "
                          f"it was tokenized with another tokenizer; {_FIX_WRITE}")
+    if top >= vocab_size:
+        raise ShardError(f"shard {path}: holds token id {top}, but the model embeds only {vocab_size} ids: "
+                         f"give the model a vocab_size of at least {VOCAB_SIZE}, GPT-2's vocabulary")
+
+
+def check_shards(paths, vocab_size: int) -> int:
+    """Checks every shard's header, then its token ids, so that a bad file fails at start-up; returns their total
+    token count."""
+    paths = list(dict.fromkeys(map(str, paths)))  # a shard given twice (train and val) is read once
+    counts = [read_header(path) for path in paths]
+    for path in paths:
+        check_token_ids(read_shard(path), path, vocab_size)
+    return sum(counts)

@@ -1,7 +1,5 @@
-"""GPT-2 BPE through tiktoken, built from OpenAI's release files shipped in data/gpt2/ so it works offline.
-
-`tiktoken.get_encoding("gpt2")` downloads the same two files on first use; tests/test_tokenizer.py checks,
-offline, that both encodings agree token for token.
+"""GPT-2 BPE through tiktoken, built offline from OpenAI's release files in data/gpt2/: the same files
+tiktoken.get_encoding("gpt2") downloads.
 """
 import functools
 import hashlib
@@ -11,14 +9,15 @@ from pathlib import Path
 import tiktoken
 
 from data.shard import BOS_ID, VOCAB_SIZE
+from runtime.errors import UserError
 
 GPT2_DIR = Path(__file__).resolve().parent / "gpt2"
-# The sha256 digests tiktoken itself expects for OpenAI's GPT-2 release (tiktoken_ext/openai_public.py).
+# the sha256 digests tiktoken expects for OpenAI's GPT-2 release
 GPT2_FILES = {
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
 }
-# GPT-2's split regex in the equivalent, faster form (possessive quantifiers) that tiktoken uses for "gpt2".
+# GPT-2's split regex in tiktoken's faster equivalent form
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 ENDOFTEXT = "<|endoftext|>"
 
@@ -34,13 +33,12 @@ def _gpt2_char_to_byte() -> dict[str, int]:
 @functools.cache
 def get_encoding() -> tiktoken.Encoding:
     """The GPT-2 encoding ("gpt2"), identical to tiktoken's, loaded from data/gpt2/ without network."""
-    # The two files are one release and pinned as a unit; vocab.bpe (the merge list) carries the same ranks
-    # as encoder.json, which is the simpler one to read. The tests feed both to tiktoken's own loader.
+    # the ranks come from encoder.json, which holds vocab.bpe's
     for name, expected in GPT2_FILES.items():
         path = GPT2_DIR / name
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         if digest != expected:
-            raise ValueError(f"{path} has sha256 {digest}, expected {expected}: the file is damaged; "
+            raise UserError(f"{path} has sha256 {digest}, expected {expected}: the file is damaged; "
                              "restore it with `git checkout -- data/gpt2`")
     char_to_byte = _gpt2_char_to_byte()
     encoder = json.loads((GPT2_DIR / "encoder.json").read_text(encoding="utf-8"))

@@ -4,16 +4,16 @@
     torchrun --standalone --nproc_per_node=8 -m evals.hellaswag --checkpoint ...   # examples split over ranks
     python train_gpt2.py --hellaswag=1                                            # at the end of training
 
-An example is a context and four endings. Each ending is scored by the mean loss of its tokens given
-[BOS] + context (the ending tokenized with its leading space, as it would appear in running text; BOS
-because every training document starts with it, where llm.c's GPT-2 rows start with the context); the
-prediction is the ending with the lowest mean loss. This length-normalised completion scoring is llm.c's
-acc_norm, by which OpenAI's GPT-2 checkpoints score 29.55% (124M) and 48.93% (1.5B).
+Each of an example's four endings (with its leading space) is scored by the mean loss of its tokens given
+[BOS] + context, BOS because every training document starts with it; the prediction is the lowest. This is llm.c's
+acc_norm, by which OpenAI's GPT-2 124M scores 29.55%.
 
-The data is the 10,042-example validation set, downloaded once into data/hellaswag/ and checked (line count
-and fields; the upstream repository publishes no checksum). Offline, pass a local copy with --hellaswag_file.
+The validation set is downloaded once into data/hellaswag/ from a pinned upstream commit and checked against the
+git blob id that commit records, the only checksum upstream publishes. Offline, pass a copy with --hellaswag_file;
+a file that differs from the pinned one is scored with a warning.
 """
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -30,13 +30,15 @@ from data.shard import BOS_ID
 from data.tokenizer import get_encoding
 from runtime import dist
 from runtime.checkpoint import load_model
-from runtime.errors import exit_on_user_error
+from runtime.errors import UserError, exit_on_user_error
 
-URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+COMMIT = "a29ff8e9a04bba4bd6588223785ce105328adc57"  # of github.com/rowanz/hellaswag: a commit's files never change
+URL = f"https://raw.githubusercontent.com/rowanz/hellaswag/{COMMIT}/data/hellaswag_val.jsonl"
+# the file's git blob id in COMMIT's tree
+VAL_BLOB_ID = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"
 CACHE = Path(__file__).resolve().parent.parent / "data" / "hellaswag" / "hellaswag_val.jsonl"
-NUM_VAL_EXAMPLES = 10_042  # the validation split's size (Zellers et al. 2019; llm.c evaluates the same file)
 NUM_ENDINGS = 4
-EXAMPLES_PER_BATCH = 8  # 32 rows of a few hundred tokens: fills a GPU, one shape per padded length
+EXAMPLES_PER_BATCH = 8  # 32 rows fill a GPU
 
 
 def _missing_message(reason: str) -> str:
@@ -46,27 +48,53 @@ def _missing_message(reason: str) -> str:
 
 def _check_download_allowed() -> None:
     if os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise ValueError(_missing_message("HF_HUB_OFFLINE=1 forbids downloading it"))
+        raise UserError(_missing_message("HF_HUB_OFFLINE=1 forbids downloading it"))
 
 
 def _check_file(path: Path) -> None:
     if not path.is_file():
         what = "a folder" if path.is_dir() else "no such file"
-        raise ValueError(f"--hellaswag_file {path}: {what}; pass a copy of {URL}")
+        raise UserError(f"--hellaswag_file {path}: {what}; pass a copy of {URL}")
+
+
+def git_blob_id(path: Path) -> str:
+    """The id git gives the file's content: SHA-1 over b"blob <size>\\0" and the bytes."""
+    sha = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def _check_cache() -> None:
+    blob = git_blob_id(CACHE)
+    if blob != VAL_BLOB_ID:
+        raise UserError(f"{CACHE} differs from the HellaSwag validation file of the pinned commit (git blob {blob}, "
+                         f"expected {VAL_BLOB_ID}): it is damaged or another file; delete it to download the pinned "
+                         f"one again, or pass it with --hellaswag_file to score it anyway")
+
+
+def _warn_if_not_pinned(path: Path) -> None:
+    blob = git_blob_id(path)
+    if blob != VAL_BLOB_ID and int(os.environ.get("RANK", "0")) == 0:  # once, not once per process
+        print(f"warning: --hellaswag_file {path} differs from the HellaSwag validation file of the pinned commit "
+              f"(git blob {blob}, expected {VAL_BLOB_ID}, {URL}): scoring it anyway, but its accuracy does not "
+              f"compare with published HellaSwag scores", file=sys.stderr)
 
 
 def check_available(path: str | None) -> None:
-    """Raise now what select_examples(path, ...) would raise later for want of its file: a missing `path`, or, when
-    `path` is None, no cached file and downloads forbidden. train_gpt2 --hellaswag=1 calls it at start-up, so that a
-    run does not train for hours and then fail (without --checkpoint_every, losing the model). Downloads nothing."""
+    """Raises now what select_examples(path, ...) would raise later for want of its file, without downloading, so
+    that a run with --hellaswag=1 does not fail after training."""
     if path:
         _check_file(Path(path))
-    elif not CACHE.is_file():
+    elif CACHE.is_file():
+        _check_cache()
+    else:
         _check_download_allowed()
 
 
 def download(dest: Path = CACHE) -> Path:
-    """Fetch the validation file into `dest` once; the file appears only after its checks pass."""
+    """Fetches the validation file into `dest`, which appears only with the pinned git blob id."""
     _check_download_allowed()
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")  # per process: ranks may download at once
@@ -75,11 +103,12 @@ def download(dest: Path = CACHE) -> Path:
             with urllib.request.urlopen(URL, timeout=60) as response, open(tmp, "wb") as f:
                 f.write(response.read())
         except (urllib.error.URLError, OSError) as e:
-            raise ValueError(_missing_message(f"downloading it failed ({e})")) from None
-        examples = load_examples(tmp)
-        if len(examples) != NUM_VAL_EXAMPLES:
-            raise ValueError(f"the download from {URL} has {len(examples)} examples, expected {NUM_VAL_EXAMPLES}: "
-                             f"the upstream file changed; pass a known-good copy with --hellaswag_file")
+            raise UserError(_missing_message(f"downloading it failed ({e})")) from None
+        blob = git_blob_id(tmp)
+        if blob != VAL_BLOB_ID:
+            raise UserError(f"the download from {URL} has git blob id {blob}, not the {VAL_BLOB_ID} its commit "
+                             f"records: deleted it (damaged in transit, or not the file); try again, or pass a "
+                             f"known-good copy with --hellaswag_file")
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
@@ -87,7 +116,7 @@ def download(dest: Path = CACHE) -> Path:
 
 
 def load_examples(path: Path) -> list[dict]:
-    """The examples of a hellaswag_val.jsonl-format file; a ValueError names the file and line of a bad one."""
+    """The examples of a hellaswag_val.jsonl-format file; a UserError names the file and line of a bad one."""
     path = Path(path)
     _check_file(path)
     examples = []
@@ -103,7 +132,7 @@ def load_examples(path: Path) -> list[dict]:
             except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):  # a binary file fails here
                 ok = False
             if not ok:
-                raise ValueError(f"{path}:{lineno} is not a HellaSwag example (a JSON object with a string 'ctx', "
+                raise UserError(f"{path}:{lineno} is not a HellaSwag example (a JSON object with a string 'ctx', "
                                  f"{NUM_ENDINGS} string 'endings' and a 'label' 0-{NUM_ENDINGS - 1}); pass a copy "
                                  f"of {URL} with --hellaswag_file")
             examples.append(ex)
@@ -111,19 +140,18 @@ def load_examples(path: Path) -> list[dict]:
 
 
 def select_examples(path: str | None, limit: int | None) -> list[dict]:
-    """The first `limit` (None: all) examples of `path`, or of the cached validation set (downloaded on first
-    use) when `path` is None."""
+    """The first `limit` (None: all) examples of `path`, or of the cached validation set when `path` is None."""
     if path:
         examples = load_examples(Path(path))
+        _warn_if_not_pinned(Path(path))
     else:
-        if not CACHE.is_file():
+        if CACHE.is_file():
+            _check_cache()
+        else:
             download(CACHE)
         examples = load_examples(CACHE)
-        if len(examples) != NUM_VAL_EXAMPLES:
-            raise ValueError(f"{CACHE} has {len(examples)} examples, expected {NUM_VAL_EXAMPLES}: it is damaged; "
-                             f"delete it to download it again")
     if not examples[:limit]:
-        raise ValueError(f"no HellaSwag examples to score in {path or CACHE} (limit {limit})")
+        raise UserError(f"no HellaSwag examples to score in {path or CACHE} (limit {limit})")
     return examples[:limit]
 
 
@@ -135,13 +163,8 @@ def render(example: dict, enc) -> list[tuple[list[int], list[int]]]:
 
 @torch.no_grad()
 def ending_losses(model, rows: list[tuple[list[int], list[int]]], num_rows: int, device) -> torch.Tensor:
-    """Mean loss of each row's ending tokens given its context, shape (len(rows),).
-
-    The batch has `num_rows` rows (unused ones are all padding) and a length rounded up to the attention block,
-    so a compiled model sees few shapes. Padding is BOS on the right; attention is causal, so it never changes
-    the real tokens' losses. Only the ending positions go through the LM head: the full (rows, T, vocab)
-    logits would be ~10x the work and 1.6 GB at 32 rows of 256 tokens.
-    """
+    """Mean loss of each row's ending tokens given its context, (len(rows),), in a batch of `num_rows` rows padded
+    on the right to whole attention blocks; only the ending positions go through the LM head."""
     block = model.config.block_size
     T = math.ceil(max(len(c) + len(e) for c, e in rows) / block) * block
     inputs = torch.full((num_rows, T), BOS_ID, dtype=torch.int32)
@@ -149,10 +172,10 @@ def ending_losses(model, rows: list[tuple[list[int], list[int]]], num_rows: int,
     for i, (context, ending) in enumerate(rows):
         tokens = context + ending
         inputs[i, :len(tokens)] = torch.tensor(tokens)
-        # position t predicts token t + 1: the ending's tokens are predicted from len(context) - 1 onwards
+        # position t predicts token t + 1
         targets[i, len(context) - 1:len(tokens) - 1] = torch.tensor(ending)
     inputs, targets = inputs.to(device), targets.to(device)
-    # twice the row length: the short-window layers (half the long window) see the whole row as well
+    # twice the row length: the short-window layers see the whole row too
     window = torch.tensor(2 * T, dtype=torch.int64, device=device)
     scored_BT = targets != -100
     logits_NV = model.head.logits(model.hidden_states(inputs, window)[scored_BT])
@@ -168,13 +191,11 @@ def count_correct(model, rt: dist.Runtime, examples: list[dict]) -> tuple[int, i
     enc = get_encoding()
     mine = examples[rt.rank::rt.world_size]
     backend = model.attention_backend
-    # FlexAttention needs CUDA for speed; on the CPU the explicit mask is faster at these short lengths
+    # on the CPU the explicit mask is faster at these lengths
     model.attention_backend = "flex" if device.type == "cuda" else "sdpa"
     correct = 0
     try:
-        # After training (train_gpt2 --hellaswag=1) the compiled regions hold graphs for the training and validation
-        # shapes only; these rows are new shapes. Compiling them would cost minutes on a GPU, and once the blocks'
-        # graphs pass dynamo's recompile limit, the fullgraph compile fails. So new shapes run eagerly.
+        # new shapes run eagerly: compiling them costs minutes and can pass dynamo's recompile limit
         with torch.compiler.set_stance("eager_on_recompile"):
             batches = range(0, len(mine), EXAMPLES_PER_BATCH)
             for start in tqdm(batches, desc="hellaswag", disable=not (rt.is_master and sys.stderr.isatty())):
@@ -189,10 +210,8 @@ def count_correct(model, rt: dist.Runtime, examples: list[dict]) -> tuple[int, i
 
 
 def evaluate_hellaswag(model, rt: dist.Runtime, path: str | None = None, limit: int | None = None) -> float:
-    """Accuracy on HellaSwag validation (or on `path`, a file in the same format), the same on every rank.
-
-    Every rank must call it. `limit` keeps the first `limit` examples.
-    """
+    """Accuracy on HellaSwag validation (or `path`, in its format) over the first `limit` examples; every rank
+    calls it and gets the same value."""
     correct, total = count_correct(model, rt, select_examples(path, limit))
     return correct / total
 
@@ -205,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=0, help="score only the first N examples (0 = all)")
     args = parser.parse_args(argv)
     if args.limit < 0:
-        raise ValueError(f"--limit={args.limit} must be 0 (all examples) or positive")
+        raise UserError(f"--limit={args.limit} must be 0 (all examples) or positive")
     rt = dist.setup(args.device)
     try:
-        # the checkpoint first: the argument the user typed, where the data file may be the default download
+        # the checkpoint first: the argument the user typed
         model, _ = load_model(args.checkpoint, rt.device)
         correct, total = count_correct(model, rt, select_examples(args.hellaswag_file, args.limit or None))
         if rt.is_master:

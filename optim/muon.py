@@ -1,29 +1,17 @@
-"""Muon's update rule as plain tensor functions: Nesterov momentum, Newton–Schulz orthogonalisation, NorMuon's
-per-neuron normalisation (an option), apply.
-
-Muon (Keller Jordan, 2024, https://kellerjordan.github.io/posts/muon/) replaces each hidden matrix's
-momentum-smoothed gradient by (approximately) its polar factor U V^T, computed with a few matrix products.
-Every function takes a batch of same-shape matrices (..., rows, cols), so a stack of all parameters of one
-shape is handled in one call. They run eagerly, with Python floats for the scalars that change during training
-(momentum, learning rate). The optimizer object in optim/optimizer.py decides which matrices each rank
-orthogonalises; nothing here communicates.
+"""Muon's update rule (Keller Jordan 2024, https://kellerjordan.github.io/posts/muon/) as tensor functions on
+stacks of same-shape matrices (..., rows, cols): each momentum-smoothed gradient becomes about its polar factor
+U V^T, optionally evened out per neuron (NorMuon). Nothing here communicates.
 """
 import torch
 
 from optim.iterations import ITERATIONS
 
-NS_EPS = 1e-7  # keeps the Frobenius normalisation finite for an all-zero input (e.g. rank padding)
+NS_EPS = 1e-7  # finite normalisation for an all-zero input (rank padding)
 
 
 def newton_schulz(g: torch.Tensor, method: str = "jordan") -> torch.Tensor:
-    """Approximate polar factor of each matrix in `g` (..., rows, cols), computed and returned in bf16.
-
-    Dividing by the Frobenius norm puts every singular value in [0, 1], where the iteration converges.
-    Tall inputs are transposed so the Gram matrix X X^T is the smaller of the two. `method` names the
-    coefficients in ITERATIONS. Each iteration is three batched GEMMs whose scale and add ride in the GEMM's
-    epilogue (baddbmm), so eager mode launches no elementwise kernel between them (bench/results/README.md, section
-    fa4c217: the optimizer runs uncompiled).
-    """
+    """Approximate polar factor of each matrix in `g` (..., rows, cols), in bf16, by ITERATIONS[method]; tall ones
+    are transposed so that X X^T is the smaller Gram matrix."""
     assert g.ndim >= 2, f"newton_schulz needs (..., rows, cols), got shape {tuple(g.shape)}"
     coefficients, margin = ITERATIONS[method]
     x = g.bfloat16()
@@ -41,34 +29,24 @@ def newton_schulz(g: torch.Tensor, method: str = "jordan") -> torch.Tensor:
 
 
 def nesterov_momentum(grad: torch.Tensor, momentum_buf: torch.Tensor, beta: float) -> torch.Tensor:
-    """Update `momentum_buf` in place (m = beta*m + (1-beta)*g) and return the Nesterov direction
-    (1-beta)*g + beta*m, written over `grad` (the optimizer passes a stacked copy of the gradients)."""
+    """m = beta*m + (1-beta)*g in place; returns the Nesterov direction (1-beta)*g + beta*m, written over `grad`."""
     momentum_buf.lerp_(grad, 1 - beta)
     return grad.lerp_(momentum_buf, beta)
 
 
 def shape_scale(shape: torch.Size | tuple[int, ...]) -> float:
-    """max(1, rows/cols)**0.5: the update's RMS grows with the fan-out for tall matrices, as in Muon."""
+    """max(1, rows/cols)**0.5: larger steps for tall matrices, as in Muon."""
     rows, cols = shape[-2], shape[-1]
     return max(1.0, rows / cols) ** 0.5
 
 
-NEURON_EPS = 1e-10  # keeps the divisions finite for a neuron (or a whole padding matrix) whose update is zero
+NEURON_EPS = 1e-10  # finite divisions for an all-zero neuron or padding matrix
 
 
 def neuron_scales(updates: torch.Tensor, second_moment: torch.Tensor, beta2: float) -> torch.Tensor:
-    """NorMuon's step (Li, Liu, Chen, Zhao, Zhou, Liang 2025, arXiv:2510.05491) on orthogonalised updates
-    (..., rows, cols), as one factor per neuron: `updates * neuron_scales(...)` is the normalised update. Each
-    neuron's mean square update enters its running average in `second_moment` (in place, m = beta2*m +
-    (1-beta2)*mean), the neuron is divided by that average's root, and each matrix is rescaled to the Frobenius norm
-    it had, so only the balance between neurons changes, not the step's size. Orthogonalisation evens out the
-    singular values, not the neurons: some rows of U V^T carry much larger entries than others, and this evens those
-    out as Adam does per entry.
-
-    A neuron is a row, or a column where the matrix is wide (cols > rows): the mean runs over the shorter side, so
-    `second_moment` and the result are (..., rows, 1) or (..., 1, cols) in fp32 (neuron_shape), as nanochat's
-    NorMuon has it (the paper's code takes rows only). Both norms come from the per-neuron sums of squares, so the
-    updates are read once here and once where the scaled update is applied, and no normalised copy is written."""
+    """NorMuon (Li et al. 2025, arXiv:2510.05491): fp32 per-neuron factors (neuron_shape) such that `updates *
+    factors` divides each neuron by the root of its running mean square (`second_moment`, updated in place) while
+    each matrix keeps its Frobenius norm. A neuron is a row, or a column of a wide matrix (nanochat)."""
     dim = -1 if updates.size(-2) >= updates.size(-1) else -2
     sums = torch.linalg.vector_norm(updates, dim=dim, keepdim=True, dtype=torch.float32).square()
     second_moment.lerp_(sums / updates.size(dim), 1 - beta2)
@@ -79,16 +57,15 @@ def neuron_scales(updates: torch.Tensor, second_moment: torch.Tensor, beta2: flo
 
 
 def neuron_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of neuron_scales' second_moment for updates of this shape: one entry per neuron."""
+    """neuron_scales' second_moment shape for updates of this shape."""
     *batch, rows, cols = shape
     return (*batch, rows, 1) if rows >= cols else (*batch, 1, cols)
 
 
 def apply_updates(params: list[torch.Tensor], updates: torch.Tensor, lr: float,
                   scales: torch.Tensor | None = None) -> None:
-    """p -= lr * update (times its neuron scales, with NorMuon) for each parameter; `updates` is the stacked output
-    of `newton_schulz` (bf16) with at least len(params) entries along dim 0, `scales` neuron_scales' output for it,
-    and `lr` already includes `shape_scale`. One in-place kernel per parameter, in fp32."""
+    """p -= lr * update (times `scales`, NorMuon's) for each parameter, updates[i] for params[i]; `lr` includes
+    shape_scale."""
     for i, p in enumerate(params):
         if scales is None:
             p.add_(updates[i], alpha=-lr)

@@ -25,44 +25,20 @@ class _MuonBucket:
 class MuonAdam:
     """Muon for the "muon" groups (hidden matrices), Adam for the "adam" groups, in one `step`.
 
-    `param_groups` is the model's list of {"kind": "muon" | "adam", "name": str, "params": [...]}; `lr` maps
-    each group name to its base learning rate, which `step` multiplies by the schedule's `lr_multiplier`.
-    Muon parameters may have more than two dims (e.g. a merged QKV weight (3, D, D)): the leading dims are a
-    batch of matrices, each orthogonalised on its own.
+    `param_groups` is the model's list of {"kind": "muon" | "adam", "name": str, "params": [...]}; `lr` maps each
+    group name to its base learning rate. Muon parameters with more than two dims are stacks of matrices.
 
-    Communication (world_size > 1; torch.distributed is initialised by the caller, gloo or NCCL):
-      1. One async all_reduce(SUM) per gradient is launched for every parameter up front, Muon groups first,
-         then each group waits only for its own gradients and divides by world_size (SUM works on every
-         backend and release; gloo gained AVG only in 2025), so the reduction of later groups overlaps the
-         math of earlier ones.
-      2. Muon: the parameters of a group are bucketed by shape and stacked. Every rank updates the momentum
-         of the whole stack (it holds the same averaged gradient, so momentum stays replicated), then
-         Newton–Schulz runs only on this rank's contiguous share of the stack (the stack is zero-padded to a
-         multiple of world_size; a zero matrix orthogonalises to zero). An async all_gather (into a list of
-         views of one buffer, which both gloo and NCCL support; all_gather_into_tensor is deprecated in
-         torch 2.13) collects the bf16 updates of all ranks.
-      3. Adam groups are updated while those gathers are in flight; then every rank waits for the gathers
-         and applies the same Muon updates, so parameters stay identical on all ranks. With NorMuon
-         (normuon_beta2 > 0) every rank normalises the whole gathered stack, so its per-neuron state stays
-         replicated too.
-    At world_size 1 no collective is called at all.
-
-    State is replicated, not sharded: each rank holds the full Muon momentum and Adam moments. That costs
-    memory for the small 124M model but makes `state_dict` independent of the world size, so a checkpoint
-    resumes on any number of GPUs.
-
-    Nothing is compiled. Adam is torch's fused kernel (one launch per group), and Muon's functions are written so
-    that eager mode launches few kernels. Compiling the update functions had cost 10.7 s of a strictly cold start's
-    main thread; without it the H200's strictly cold start took 45.0 s against 70.7 s, at the same step (568.0 against
-    567.5 ms, one machine; bench/results/README.md, section fa4c217). Alone, the optimizer's step takes 7.97 ms
-    eagerly and 6.67 ms compiled as one graph, whose compile took 30.8 s.
+    With world_size > 1: an async all_reduce(SUM) per gradient starts up front, Muon groups first, each group waiting
+    only for its own; Muon groups are stacked by shape, every rank updates the whole stack's momentum but
+    orthogonalises only its zero-padded share, and an async all_gather collects the bf16 updates while Adam runs.
+    Every rank then applies the same updates, so parameters and the replicated state agree, and `state_dict` does
+    not depend on the world size. Nothing is compiled, which keeps a cold start short.
     """
 
     def __init__(self, param_groups: list[dict], *, lr: dict[str, float],
                  adam_betas: tuple[float, float] = (0.8, 0.95), adam_eps: float = 1e-10,
                  rank: int = 0, world_size: int = 1, muon_method: str = "jordan", normuon_beta2: float = 0.0):
-        """normuon_beta2 > 0 turns NorMuon's per-neuron normalisation on (optim.muon.neuron_scales), with this
-        averaging factor; 0 is plain Muon."""
+        """normuon_beta2 > 0 turns NorMuon on with this averaging factor; 0 is plain Muon."""
         check_method(muon_method)
         assert 0.0 <= normuon_beta2 < 1.0, f"normuon_beta2 {normuon_beta2} outside [0, 1)"
         seen: set[int] = set()
@@ -93,8 +69,7 @@ class MuonAdam:
         self.normuon_beta2 = normuon_beta2
 
         self._buckets: list[_MuonBucket] = []
-        # per Adam group: first and second moments, and the step count per parameter as torch's fused Adam keeps it
-        # (a float32 0-D tensor on the parameter's device, incremented by torch before each update)
+        # per Adam group: moments and fused Adam's per-parameter step counts (0-D fp32, incremented by torch)
         self._adam: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
         for group in param_groups:
             if group["kind"] == "muon":
@@ -110,8 +85,7 @@ class MuonAdam:
 
     @torch.no_grad()
     def step(self, lr_multiplier: float, muon_momentum: float) -> None:
-        """One update of every parameter from its `.grad` (this rank's local gradient when distributed;
-        afterwards `.grad` holds the average over ranks)."""
+        """One update of every parameter from its `.grad`, which then holds the average over ranks."""
         assert 0.0 <= muon_momentum < 1.0, f"muon_momentum {muon_momentum} outside [0, 1)"
         self.step_count += 1
         lr = {name: base * lr_multiplier for name, base in self.base_lr.items()}
@@ -152,7 +126,7 @@ class MuonAdam:
             self._apply(bucket, gathered[:len(bucket.params)], lr)
 
     def _orthogonalize(self, stack: torch.Tensor) -> torch.Tensor:
-        """Newton-Schulz on a stack of matrices; a method of its own so that a test can count what each call takes."""
+        """Newton-Schulz on a stack of matrices (a method, so that tests can watch it)."""
         return newton_schulz(stack, self.muon_method)
 
     def _apply(self, bucket: _MuonBucket, updates: torch.Tensor, lr: dict[str, float]) -> None:
@@ -168,10 +142,8 @@ class MuonAdam:
                 p.grad = None
 
     def state_dict(self) -> dict:
-        """{"step": int, "groups": {name: per-parameter state lists in the model's parameter order}}.
-        Muon groups hold "momentum" (and "second_moment" with NorMuon), Adam groups "exp_avg" and "exp_avg_sq";
-        tensors are the live buffers (like torch.optim), on the parameters' device. Nothing depends on rank or world
-        size."""
+        """{"step": int, "groups": {name: {"momentum" (and "second_moment") or "exp_avg" and "exp_avg_sq": live
+        per-parameter buffers}}}, the same on every rank and world size."""
         groups = {}
         for group in self.param_groups:
             if group["kind"] == "muon":
@@ -182,8 +154,7 @@ class MuonAdam:
         return {"step": self.step_count, "groups": groups}
 
     def load_state_dict(self, state: dict) -> None:
-        """Copy a `state_dict` into this optimizer's buffers (any device); the next `step` then continues
-        bitwise as if the run had never stopped."""
+        """Copies a `state_dict` into this optimizer's buffers; the next `step` continues bit for bit."""
         saved = state["groups"]
         if set(saved) != set(self.base_lr):
             raise ValueError(f"optimizer state has groups {sorted(saved)} but the model has {sorted(self.base_lr)}: "
@@ -225,8 +196,7 @@ class MuonAdam:
         return [g for g in self.param_groups if g["kind"] == "adam"]
 
     def _muon_state(self, params: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-        """{"momentum": [...], and "second_moment": [...] with NorMuon}: views of the buckets' stacked buffers,
-        one per parameter, in the order of `params`."""
+        """{"momentum": [...], and "second_moment": [...] with NorMuon}: views into the buckets, in `params` order."""
         where = {id(q): (bucket, i) for bucket in self._buckets for i, q in enumerate(bucket.params)}
         slots = [where[id(p)] for p in params]
         state = {"momentum": [bucket.momentum[i] for bucket, i in slots]}

@@ -1,15 +1,11 @@
-"""Training schedules as pure functions of the step (plain Python numbers in, plain numbers out).
-
-Steps count optimizer steps from 0; `num_iterations` is the step after the last update (the final
-evaluation), so schedules reach their end values exactly there. Argument errors name the training flag that
-sets them; a step outside [0, num_iterations] is the caller's bug and fails an assert.
+"""Training schedules as pure functions of the optimizer step (from 0); they reach their end values at
+`num_iterations`, the final evaluation. Argument errors name the flag that sets them.
 """
 
 
 def lr_multiplier(step: int, num_iterations: int, cooldown_frac: float, final_frac: float = 0.1) -> float:
-    """1.0 for the first (1 - cooldown_frac) of training, then linear down to `final_frac` at
-    `num_iterations`: the constant-then-cooldown ("trapezoidal") schedule of the speedrun records
-    (e.g. record #28 of modded-nanogpt, where final_frac is 0.1)."""
+    """1.0 for the first (1 - cooldown_frac) of training, then linear down to `final_frac`: the speedrun records'
+    trapezoidal schedule (record #28)."""
     if num_iterations < 1:
         raise ValueError(f"--num_iterations={num_iterations} must be at least 1")
     if not 0.0 <= cooldown_frac <= 1.0:
@@ -27,8 +23,7 @@ def lr_multiplier(step: int, num_iterations: int, cooldown_frac: float, final_fr
 
 
 def muon_momentum(step: int, warmup_steps: int = 300, start: float = 0.85, end: float = 0.95) -> float:
-    """Muon's momentum, linear from `start` to `end` over the first `warmup_steps` steps, then constant
-    (the 0.85 -> 0.95 over 300 steps warmup of the speedrun records)."""
+    """Muon's momentum, linear from `start` to `end` over `warmup_steps`, then constant (the records' warmup)."""
     if warmup_steps < 0:
         raise ValueError(f"--momentum_warmup_steps={warmup_steps} must be >= 0 (0 = no warmup)")
     for flag, value in (("--momentum_start", start), ("--momentum_end", end)):
@@ -43,10 +38,8 @@ def muon_momentum(step: int, warmup_steps: int = 300, start: float = 0.85, end: 
 
 def attention_window(step: int, num_iterations: int, min_tokens: int, max_tokens: int,
                      block_size: int) -> int:
-    """Sliding-window length in tokens, growing linearly from `min_tokens` at step 0 to `max_tokens` at
-    `num_iterations` and always a multiple of `block_size` (the attention kernel's block): the speedrun
-    records' window warm-up, where short windows make early steps cheap. Rounded up to the next block, as
-    the records do, so the window never lags the linear ramp."""
+    """The attention window in tokens, growing linearly from `min_tokens` to `max_tokens` (the records' warm-up,
+    cheap early steps), rounded up to whole blocks."""
     if num_iterations < 1:
         raise ValueError(f"--num_iterations={num_iterations} must be at least 1")
     assert block_size >= 1, f"attention block size {block_size} must be at least 1"
@@ -59,5 +52,5 @@ def attention_window(step: int, num_iterations: int, min_tokens: int, max_tokens
                          f"the window only grows")
     assert 0 <= step <= num_iterations, f"step {step} outside [0, {num_iterations}]"
     min_blocks, max_blocks = min_tokens // block_size, max_tokens // block_size
-    grown = -(-(max_blocks - min_blocks) * step // num_iterations)  # ceil in exact integer arithmetic
+    grown = -(-(max_blocks - min_blocks) * step // num_iterations)  # exact integer ceil
     return (min_blocks + grown) * block_size

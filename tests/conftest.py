@@ -1,13 +1,14 @@
 import hashlib
+import json
 import os
 import threading
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
 import torch
 
-HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 # What run.sh sets for a CPU run (its comment says why: about half of each smoke-run step on a 2-core AMD EPYC);
 # the training runs the tests start get it too. tests/test_packaging.py checks that run.sh sets this value.
 CPU_MALLOC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824"
@@ -45,37 +46,55 @@ def shard_bytes(tmp_path_factory):
 
 @pytest.fixture
 def hub(shard_bytes):
-    """A minimal hub: HEAD/GET {endpoint}/datasets/{repo}/resolve/main/{file} with the headers hf_hub_download
-    needs (X-Repo-Commit, ETag, Content-Length). Yields (endpoint, list of (method, file) requested)."""
-    from data.cached_fineweb10B import REPO_ID
+    """A minimal hub at the pinned revision: HEAD/GET {endpoint}/datasets/{repo}/resolve/{REVISION}/{file} with the
+    headers hf_hub_download needs (X-Repo-Commit, ETag, Content-Length), and POST
+    {endpoint}/api/datasets/{repo}/paths-info/{REVISION}, which lists each file's size and SHA-256 (its LFS object
+    id) as the files were when the fixture started: a test that then changes shard_bytes serves other bytes than the
+    hub publishes. Other revisions are not found. Yields (endpoint, list of (method, file) requested)."""
+    from data.cached_fineweb10B import REPO_ID, REVISION
 
     requests = []
-    prefix = f"/datasets/{REPO_ID}/resolve/main/"
+    prefix = f"/datasets/{REPO_ID}/resolve/{REVISION}/"
+    paths_info = f"/api/datasets/{REPO_ID}/paths-info/{REVISION}"
+    published = {name: {"type": "file", "path": name, "size": len(body), "oid": hashlib.sha1(body).hexdigest(),
+                        "lfs": {"oid": hashlib.sha256(body).hexdigest(), "size": len(body), "pointerSize": 134}}
+                 for name, body in shard_bytes.items()}
 
     class Handler(BaseHTTPRequestHandler):
+        def _send(self, status, body=b"", headers=(), with_body=True):
+            self.send_response(status)
+            for key, value in headers:
+                self.send_header(key, value)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if with_body:
+                self.wfile.write(body)
+
         def _answer(self, with_body):
             name = self.path.removeprefix(prefix)
             requests.append((self.command, name))
             body = shard_bytes.get(name) if self.path.startswith(prefix) else None
             if body is None:
-                self.send_response(404)
-                self.send_header("X-Error-Code", "EntryNotFound")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+                self._send(404, headers=[("X-Error-Code", "EntryNotFound")])
                 return
-            self.send_response(200)
-            self.send_header("X-Repo-Commit", HUB_COMMIT)
-            self.send_header("ETag", f'"{hashlib.sha256(body).hexdigest()}"')
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if with_body:
-                self.wfile.write(body)
+            self._send(200, body, [("X-Repo-Commit", REVISION), ("ETag", f'"{hashlib.sha256(body).hexdigest()}"')],
+                       with_body)
 
         def do_HEAD(self):
             self._answer(with_body=False)
 
         def do_GET(self):
             self._answer(with_body=True)
+
+        def do_POST(self):
+            form = urllib.parse.parse_qs(self.rfile.read(int(self.headers.get("Content-Length", 0))).decode())
+            names = form.get("paths", [])
+            requests.extend(("POST", name) for name in names)
+            if self.path != paths_info:
+                self._send(404, headers=[("X-Error-Code", "RevisionNotFound")])
+                return
+            body = json.dumps([published[name] for name in names if name in published]).encode()
+            self._send(200, body, [("Content-Type", "application/json")])
 
         def log_message(self, *args):
             pass

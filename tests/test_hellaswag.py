@@ -19,7 +19,7 @@ from data.tokenizer import get_encoding
 from evals import hellaswag
 from helpers import random_gpt, recorded_compile
 from model.gpt import GPT, GPTConfig
-from runtime.dist import Runtime, use_device_paths
+from runtime.dist import Runtime
 from runtime.errors import UserError
 
 TINY_FILE = Path(__file__).parent / "data" / "hellaswag_tiny.jsonl"
@@ -106,8 +106,7 @@ def test_ending_losses_match_unpadded_logits(device):
     scored = model
     if device == "cuda":
         scored = copy.deepcopy(model).to(device)
-        use_device_paths(scored, torch.device(device))
-        scored.compute_dtype = torch.bfloat16
+        scored.attention_backend, scored.compute_dtype = "flex", torch.bfloat16
     long_context = [BOS_ID] + enc.encode_ordinary("The quick brown fox jumps over the lazy dog. " * 14)
     assert 128 < len(long_context) < 256  # the batch pads to two blocks
     rows = [([BOS_ID] + enc.encode_ordinary("A man is sitting on a roof. he"), enc.encode_ordinary(" starts pulling")),
@@ -148,8 +147,8 @@ def test_a_compiled_model_scores_without_compiling_new_shapes():
             model(inputs, inputs, torch.tensor(128))  # validation's
         trained = len(graphs)
         assert hellaswag.evaluate_hellaswag(model, CPU, path=str(TINY_FILE)) == expected
-    # the blocks' patterns, the embeddings, x0's norm, the masks and the head, in both modes, and x0's gradient sum
-    assert trained == 3 * 2 + 4 * 2 + 1
+    # the blocks' patterns (the first block's, whose x is x0 itself, one of its own) and the head, in both modes
+    assert trained == 4 * 2 + 2
     assert len(graphs) == trained
 
 
@@ -165,7 +164,7 @@ def _rank_main(rank, store, out_dir):
             scored.append(len(rows) // hellaswag.NUM_ENDINGS)
             return score(model, rows, num_rows, device)
 
-        hellaswag.ending_losses = counting  # in this forked process only
+        hellaswag.ending_losses = counting  # in this child process only
         counts = hellaswag.count_correct(model, rt, tiny_examples())
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"counts": counts, "scored": sum(scored)}))
     finally:
@@ -174,7 +173,7 @@ def _rank_main(rank, store, out_dir):
 
 def test_two_ranks_split_the_examples_and_sum_the_counts(tmp_path):
     mp.start_processes(_rank_main, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True,
-                       start_method="fork")
+                       start_method="spawn")  # a fork after an earlier test's backward fails
     model, right = preferring([0, 2, 0, 0, 1])
     assert hellaswag.count_correct(model, CPU, tiny_examples()) == (3, 5)
     # rank 0 scores examples 0, 2, 4 (2 right), rank 1 examples 1, 3 (1 right): both report the sum
@@ -238,15 +237,69 @@ def test_failed_download_names_the_fix(cache, monkeypatch):
     assert list(cache.parent.iterdir()) == []  # nothing half-written is left
 
 
+def test_the_url_names_the_pinned_commit():
+    assert hellaswag.URL == ("https://raw.githubusercontent.com/rowanz/hellaswag/"
+                             "a29ff8e9a04bba4bd6588223785ce105328adc57/data/hellaswag_val.jsonl")
+
+
+@pytest.mark.parametrize("content, blob", [(b"", "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"),
+                                           (b"hello\n", "ce013625030ba8dba906f756967f9e9ca394464a")])
+def test_git_blob_id_is_gits(tmp_path, content, blob):
+    """Ids git itself gives these contents (`git hash-object`), so VAL_BLOB_ID can be compared with the file's."""
+    (tmp_path / "f").write_bytes(content)
+    assert hellaswag.git_blob_id(tmp_path / "f") == blob
+
+
 def test_download_is_checked_before_it_is_kept(cache, monkeypatch):
     payload = TINY_FILE.read_bytes()
-    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(payload))
-    with pytest.raises(ValueError, match="has 5 examples, expected 10042"):
+    tiny_blob = hellaswag.git_blob_id(TINY_FILE)
+    urls = []
+
+    def serve(url, timeout):
+        urls.append(url)
+        return io.BytesIO(payload)
+
+    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", serve)
+    with pytest.raises(ValueError) as error:
         hellaswag.select_examples(None, None)
-    assert list(cache.parent.iterdir()) == []
-    monkeypatch.setattr(hellaswag, "NUM_VAL_EXAMPLES", 5)  # a file of the expected size is kept and used
+    assert str(error.value).startswith(f"the download from {hellaswag.URL} has git blob id {tiny_blob}, not the "
+                                       f"{hellaswag.VAL_BLOB_ID} its commit records: deleted it")
+    assert list(cache.parent.iterdir()) == [] and urls == [hellaswag.URL]
+    monkeypatch.setattr(hellaswag, "VAL_BLOB_ID", tiny_blob)  # the pinned file's id: kept and used
     assert hellaswag.select_examples(None, 3) == tiny_examples()[:3]
     assert cache.read_bytes() == payload
+
+
+def test_a_cached_file_that_differs_is_refused_at_start_up(cache, monkeypatch):
+    """A cached file other than the pinned one (damaged, or copied there by hand) stops a training run at start-up;
+    it is the user's to delete, so it stays."""
+    cache.parent.mkdir()
+    cache.write_bytes(TINY_FILE.read_bytes())
+    words = (f"{cache} differs from the HellaSwag validation file of the pinned commit (git blob "
+             f"{hellaswag.git_blob_id(cache)}, expected {hellaswag.VAL_BLOB_ID}): it is damaged or another file; "
+             f"delete it to download the pinned one again, or pass it with --hellaswag_file to score it anyway")
+    for call in (lambda: hellaswag.check_available(None), lambda: hellaswag.select_examples(None, None)):
+        with pytest.raises(ValueError) as error:
+            call()
+        assert str(error.value) == words
+    assert cache.read_bytes() == TINY_FILE.read_bytes()
+
+
+def test_a_hellaswag_file_that_differs_is_scored_with_a_warning(monkeypatch, capsys):
+    """--hellaswag_file is the user's explicit choice (an offline copy, or a file in the same format on purpose):
+    it is scored, with a warning on the first process when it is not the pinned file."""
+    assert hellaswag.select_examples(str(TINY_FILE), None) == tiny_examples()
+    err = capsys.readouterr().err
+    assert err.startswith(f"warning: --hellaswag_file {TINY_FILE} differs from the HellaSwag validation file of the "
+                          f"pinned commit (git blob {hellaswag.git_blob_id(TINY_FILE)}, expected "
+                          f"{hellaswag.VAL_BLOB_ID}, {hellaswag.URL}): scoring it anyway")
+    monkeypatch.setenv("RANK", "1")
+    hellaswag.select_examples(str(TINY_FILE), None)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(hellaswag, "VAL_BLOB_ID", hellaswag.git_blob_id(TINY_FILE))  # the pinned file: no warning
+    hellaswag.select_examples(str(TINY_FILE), None)
+    assert capsys.readouterr().err == ""
 
 
 def test_check_available_finds_what_the_evaluation_would_miss(cache, monkeypatch, tmp_path):
@@ -261,6 +314,7 @@ def test_check_available_finds_what_the_evaluation_would_miss(cache, monkeypatch
         hellaswag.check_available(None)
     cache.parent.mkdir()
     cache.write_bytes(TINY_FILE.read_bytes())
+    monkeypatch.setattr(hellaswag, "VAL_BLOB_ID", hellaswag.git_blob_id(cache))
     hellaswag.check_available(None)  # offline, but cached
 
 

@@ -1,14 +1,20 @@
-"""data.loader: the token stream against a plain-Python reference, for every rank layout, shard walk and resume."""
+"""data.loader: the token stream against a plain-Python reference, for every rank layout, shard walk and resume;
+the start-up check of every shard, and the messages for folders and shards this user may not read."""
+import errno
 import math
+import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+import data.loader
+import data.shard
 from data.loader import DataExhausted, TrainLoader, ValLoader
 from data.prepare import SAMPLE_DIR
-from data.shard import BOS_ID, ShardError, write_shard
+from data.shard import BOS_ID, ShardError, check_shards, read_header, write_shard
 
 T, B = 16, 8  # seq_len, batch_size (sequences per optimizer step)
 SHARD_SIZES = (300, 40, 7, 250, 180)  # tiny middle shards: sequences span up to three shards
@@ -373,3 +379,117 @@ def test_val_context_scores_as_one_unbroken_stream(tmp_path):
     # one layer's window is not enough (the layers chain); nor is enough context off the stream's blocks
     for short in (0, window - 1, context + 8):
         assert abs(summed_loss(seq_len, short) - whole) > 5e-6 * whole, short  # measured 5.7e-4 to 7.5e-4 of it
+
+
+# --- the start-up check, and folders and shards this user may not read ------------------------------------------
+
+def test_the_start_up_check_finds_a_bad_id_in_the_last_shard_before_any_step(tmp_path):
+    """The loaders read a shard's ids only when they reach it: on their own they start, and the bad id in the last
+    shard would stop the run hours in. check_shards, called once with the loaders' paths, stops it first."""
+    stream, pattern = write_shards(tmp_path)
+    last = tmp_path / f"train_{len(SHARD_SIZES):06d}.bin"
+    bad = stream[-SHARD_SIZES[-1]:].copy()
+    bad[-1] = 60_000
+    write_shard(last, bad)
+    _, val_pattern = write_shards(tmp_path, sizes=(150,), name="val")
+    (train,) = loaders_for(pattern, 1, B)  # constructed without complaint: shard 0 is fine
+    val = ValLoader(val_pattern, val_tokens=100, seq_len=T, device_batch_size=1, rank=0, world_size=1, device="cpu")
+    with pytest.raises(ShardError, match=rf"^shard {last}: holds token id 60000, but the GPT-2 vocabulary has 50257"):
+        check_shards(train.paths + val.paths, vocab_size=50304)
+    assert train.state_dict() == {"shard": 0, "position": 0, "epoch": 0}  # no step was drawn
+
+
+running_as_root = pytest.mark.skipif(os.geteuid() == 0, reason="root reads folders whatever their mode")
+
+
+def deny(monkeypatch, folder) -> None:
+    """Make data.loader's access checks refuse `folder` as chmod 000 would for a user that is not root."""
+    access = os.access
+    monkeypatch.setattr(data.loader.os, "access",
+                        lambda path, mode: False if Path(path) == Path(folder) else access(path, mode))
+
+
+def unreadable_folder_message(flag, pattern, folder):
+    return (f"{flag}={pattern!r}: the folder {folder} is not readable by this user, so its shard files cannot be "
+            f"listed: make it readable with `chmod a+rx {folder}`, or run as a user allowed to read it")
+
+
+@pytest.mark.parametrize("how", ["monkeypatched", pytest.param("chmod", marks=running_as_root)])
+def test_an_unreadable_folder_is_named_not_blamed_on_missing_data(tmp_path, monkeypatch, how):
+    folder = tmp_path / "data" / "shards"
+    folder.mkdir(parents=True)
+    if how == "chmod":  # shards inside, which glob cannot list
+        write_shards(folder)
+        folder.chmod(0)
+    else:  # root lists any folder; an empty one gives the same no-match, with the access check refused
+        deny(monkeypatch, folder)
+    pattern = str(folder / "train_*.bin")
+    try:
+        with pytest.raises(ValueError) as error:
+            TrainLoader(pattern, seq_len=T, batch_size=B, device_batch_size=1, rank=0, world_size=1, device="cpu")
+        assert str(error.value) == unreadable_folder_message("--train_files", pattern, folder)
+        with pytest.raises(ValueError) as error:  # the folder itself given, as --val_files
+            ValLoader(str(folder), val_tokens=10, seq_len=T, device_batch_size=1, rank=0, world_size=1, device="cpu")
+        assert str(error.value) == unreadable_folder_message("--val_files", str(folder), folder)
+    finally:
+        folder.chmod(0o755)
+
+
+def test_a_folder_that_cannot_be_entered_on_the_way_is_named(tmp_path, monkeypatch):
+    deny(monkeypatch, tmp_path / "data")
+    (tmp_path / "data" / "shards").mkdir(parents=True)
+    pattern = str(tmp_path / "data" / "shards" / "train_*.bin")
+    with pytest.raises(ValueError) as error:
+        TrainLoader(pattern, seq_len=T, batch_size=B, device_batch_size=1, rank=0, world_size=1, device="cpu")
+    assert str(error.value) == unreadable_folder_message("--train_files", pattern, tmp_path / "data")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"no shard files match --train_files=.*cached_fineweb10B"):  # readable: as ever
+        TrainLoader(pattern, seq_len=T, batch_size=B, device_batch_size=1, rank=0, world_size=1, device="cpu")
+
+
+@pytest.mark.parametrize("how", ["monkeypatched", pytest.param("chmod", marks=running_as_root)])
+def test_an_unreadable_shard_stops_the_loader_with_the_fix(tmp_path, monkeypatch, how):
+    _, pattern = write_shards(tmp_path)
+    secret = tmp_path / "train_000003.bin"
+    if how == "chmod":
+        secret.chmod(0)
+    else:
+        def refusing(file, *args, **kwargs):
+            if Path(file) == secret:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+            return open(file, *args, **kwargs)
+
+        monkeypatch.setattr(data.shard, "open", refusing, raising=False)
+    with pytest.raises(ShardError) as error:
+        loaders_for(pattern, 1, B)
+    assert str(error.value) == (f"shard {secret}: cannot be read (Permission denied): make it readable with "
+                                f"`chmod a+r {secret}`, or run as a user allowed to read it")
+
+
+@pytest.mark.parametrize("align", [False, True])
+def test_paths_for_holds_every_shard_the_steps_read(tmp_path, monkeypatch, align):
+    """paths_for(n) is what the start-up check needs: every shard n steps read (a bad id in the next one does not
+    stop them), and, with shards far longer than a step as FineWeb's are, not the shards after."""
+    _, pattern = write_shards(tmp_path)
+    read, tokens = set(), TrainLoader._tokens
+
+    def recording(self, i):
+        read.add(self.paths[i])
+        return tokens(self, i)
+
+    monkeypatch.setattr(TrainLoader, "_tokens", recording)
+    for steps in range(1, 5):  # the 777 tokens hold 4 steps of 128 with alignment's skips, not always 5
+        (loader,) = loaders_for(pattern, 1, 2, align_to_bos=align)
+        within = loader.paths_for(steps)
+        if len(within) < len(loader.paths):  # a bad id just past them is never met
+            following = Path(loader.paths[len(within)])
+            write_shard(following, np.full(read_header(following), 60_000, dtype=np.uint16))
+        read.clear()
+        for _ in range(steps):
+            take_step([loader])
+        assert read <= set(within), (steps, sorted(read), within)
+        write_shards(tmp_path)  # the good shards back
+    (cycling,) = loaders_for(pattern, 1, 2, cycle=True)
+    assert cycling.paths_for(1) == cycling.paths
+    (fineweb_like,) = loaders_for(pattern, 1, 1, seq_len=2, batch_size=2, align_to_bos=align)
+    assert fineweb_like.paths_for(3) == fineweb_like.paths[:1]  # 3 steps of 2 x 2 tokens stay in the first shard

@@ -1,13 +1,16 @@
 """data.prepare: shards equal BOS + GPT-2 tokens of each document in order; every bad input is a clean exit 2."""
+import errno
 import glob
 import gzip
 import json
+import os
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import data.prepare
 from data.loader import TrainLoader, ValLoader
 from data.prepare import SAMPLE_DIR, PrepareError, ensure_sample_shards, main, prepare
 from data.shard import BOS_ID, read_header, read_shard
@@ -58,7 +61,8 @@ def test_shards_hold_the_reference_stream(tmp_path):
     assert read_header(summary["shards"][0]) == 41  # val_tokens + 1: inputs for exactly 40 predictions
     assert [read_header(p) for p in summary["shards"][1:-1]] == [50] * (len(names) - 2)
     np.testing.assert_array_equal(read_all(summary["shards"]), stream)
-    assert summary["documents"] == len(texts) == 8 and summary["files"] == 5 and summary["skipped_files"] == 0
+    assert summary["documents"] == len(texts) == 8 and summary["files"] == 6  # and notes.csv, skipped:
+    assert [(path.name, category) for path, category, _ in summary["skipped"]] == [("notes.csv", "unknown extension")]
     assert summary["tokens"] == len(stream) and summary["val_tokens"] + summary["train_tokens"] == len(stream)
 
 
@@ -76,8 +80,10 @@ def test_non_utf8_text_is_skipped_and_counted(tmp_path, capsys):
     texts = make_corpus(tmp_path / "in")
     (tmp_path / "in" / "bad.txt").write_bytes(b"caf\xe9 in latin-1")
     summary = prepare([tmp_path / "in"], tmp_path / "out", val_tokens=40, shard_tokens=1000, workers=1)
-    assert summary["skipped_files"] == 1 and summary["documents"] == len(texts)
-    assert "warning: skipping" in capsys.readouterr().err
+    assert [(p.name, category) for p, category, _ in summary["skipped"]] == [("notes.csv", "unknown extension"),
+                                                                             ("bad.txt", "not UTF-8")]
+    assert summary["documents"] == len(texts)
+    assert f"warning: skipping {tmp_path / 'in' / 'bad.txt'}: not UTF-8 text" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("case,match", [
@@ -107,8 +113,13 @@ def test_bad_inputs_exit_2_without_output(tmp_path, capsys, case, match):
     with pytest.raises(SystemExit) as exit_info:
         main([str(inputs), "--out", str(out), "--val_tokens", str(val_tokens), "--workers", "1"])
     assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and len(err.splitlines()) == 1
+    *warnings, err = capsys.readouterr().err.splitlines()
+    assert err.startswith("error: ")
+    if case == "too_small":  # every file was read: the one skipped is named above the error
+        assert len(warnings) == 1
+        assert warnings[0].startswith(f"warning: skipping {inputs / 'notes.csv'}: unknown extension .csv: ")
+    else:  # an error in a file or an option comes alone
+        assert warnings == []
     assert re.search(match, err), err
     assert not out.exists()
 
@@ -176,7 +187,7 @@ def test_a_file_named_twice_is_read_once(tmp_path, capsys):
     texts = make_corpus(tmp_path / "in")
     summary = prepare([tmp_path / "in" / "a.txt", tmp_path / "in", tmp_path / "in" / "b" / ".." / "a.txt"],
                       tmp_path / "out", val_tokens=40, workers=1)
-    assert summary["files"] == 5 and summary["documents"] == len(texts)
+    assert summary["files"] == 6 and summary["documents"] == len(texts)
     assert "warning: 2 file(s) given more than once (by name, or inside a folder also given) are read once" in \
         capsys.readouterr().err
 
@@ -198,7 +209,8 @@ def test_utf16_text_gets_the_utf16_advice(tmp_path, capsys):
     texts = make_corpus(tmp_path / "in")
     (tmp_path / "in" / "wide.txt").write_bytes("wide text".encode("utf-16"))
     summary = prepare([tmp_path / "in"], tmp_path / "out", val_tokens=40, workers=1)
-    assert summary["skipped_files"] == 1 and summary["documents"] == len(texts)
+    assert [p.name for p, category, _ in summary["skipped"] if category == "not UTF-8"] == ["wide.txt"]
+    assert summary["documents"] == len(texts)
     assert "wide.txt: not UTF-8 text" in (err := capsys.readouterr().err) and "`iconv -f utf-16 -t utf-8`" in err
 
 
@@ -214,8 +226,7 @@ def test_cli_summary_line(tmp_path, capsys):
     main([str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--val_tokens", "40", "--workers", "1",
           "--name", "mine"])
     out = capsys.readouterr().out
-    assert out.startswith("8 documents from 5 files (0 skipped: not UTF-8; 1 of other types ignored, data.prepare "
-                          "reads .txt, .md and .jsonl): ") and "tokens/s" in out
+    assert out.startswith("8 documents from 6 files (1 skipped: unknown extension): ") and "tokens/s" in out
     assert (tmp_path / "out" / "mine_val_000000.bin").exists()
 
 
@@ -299,3 +310,128 @@ def test_changed_sample_bytes_make_a_new_shard_folder(tmp_path, monkeypatch):
     folder = Path(new_train).parent
     shards = [folder / "sample_val_000000.bin", folder / "sample_train_000001.bin"]
     np.testing.assert_array_equal(read_all(shards), stream)  # the revised text, not the stale one
+
+
+# --- files without an extension, and the files data.prepare skips --------------------------------------------------
+
+running_as_root = pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+
+
+def unreadable_for(monkeypatch, path: Path) -> None:
+    """Make data.prepare's open() refuse `path` as chmod 000 would for a user that is not root."""
+    import data.prepare
+
+    def refusing(file, *args, **kwargs):
+        if Path(file) == path:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+        return open(file, *args, **kwargs)
+
+    monkeypatch.setattr(data.prepare, "open", refusing, raising=False)
+
+
+def test_extensionless_text_files_are_documents(tmp_path, capsys):
+    """LICENSE, COPYING and the like: text by their first bytes, not their names. A multibyte character cut by
+    the sniffed prefix does not make a file binary."""
+    license_text = "MIT License\n\nPermission is hereby granted, free of charge. " * 3
+    copying_text = "x" * (data.prepare.SNIFF_BYTES - 1) + "é and more"  # é's two bytes straddle the prefix
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "LICENSE").write_text(license_text)
+    (tmp_path / "in" / "COPYING").write_text(copying_text)
+    (tmp_path / "in" / "NOTICE.gz").write_bytes(gzip.compress(b"a gzipped notice"))
+    summary = prepare([tmp_path / "in"], tmp_path / "out", val_tokens=5, workers=1)
+    assert summary["documents"] == 3 and summary["files"] == 3 and summary["skipped"] == []
+    np.testing.assert_array_equal(read_all(summary["shards"]),
+                                  reference_stream([copying_text, license_text, "a gzipped notice"]))
+    assert capsys.readouterr().err == ""
+
+
+def test_only_a_license_is_a_corpus(tmp_path, capsys):
+    """The folder that once gave "0 readable files, 0 skipped": its one file is text, and is read."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "LICENSE").write_text("Permission is hereby granted, free of charge, to any person. " * 5)
+    main([str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--val_tokens", "10", "--workers", "1"])
+    assert capsys.readouterr().out.startswith("1 documents from 1 files: ")
+
+
+def test_every_skipped_file_is_named_with_why(tmp_path, capsys, monkeypatch):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / "a.txt").write_text("the one document in here, with a few words")
+    (inputs / "blob").write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(100))
+    (inputs / "wide").write_bytes("wide text".encode("utf-16"))
+    (inputs / "notes.csv").write_text("a,b")
+    (inputs / "secret").write_text("text no one may read")
+    unreadable_for(monkeypatch, inputs / "secret")
+    main([str(inputs), "--out", str(tmp_path / "out"), "--val_tokens", "3", "--workers", "1"])
+    out, err = capsys.readouterr()
+    assert out.startswith("1 documents from 5 files (4 skipped: 1 binary, 1 not UTF-8, 1 unknown extension, "
+                          "1 unreadable): ")
+    assert err.splitlines() == [
+        f"warning: skipping {inputs / 'blob'}: binary, not text (it holds NUL bytes)",
+        f"warning: skipping {inputs / 'notes.csv'}: unknown extension .csv: data.prepare reads .txt, .md and .jsonl "
+        f"files, optionally gzipped (.txt.gz, ...), and text files without an extension",
+        f"warning: skipping {inputs / 'secret'}: cannot be read (Permission denied); make it readable with "
+        f"`chmod a+r {inputs / 'secret'}` to include it",
+        f"warning: skipping {inputs / 'wide'}: not UTF-8 text (invalid start byte at byte 0); convert it to include "
+        f"it, e.g. `iconv -f utf-16 -t utf-8`",
+    ]
+
+
+def test_no_documents_names_the_skipped_files(tmp_path, capsys):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / "blob").write_bytes(bytes(10))
+    (inputs / "data.csv").write_text("a,b")
+    with pytest.raises(SystemExit):
+        main([str(inputs), "--out", str(tmp_path / "out"), "--workers", "1"])
+    *warnings, err = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 2
+    assert err == (f"error: no documents found in {inputs} (2 file(s), 2 skipped: {inputs / 'blob'}: binary, not "
+                   f"text (it holds NUL bytes); {inputs / 'data.csv'}: unknown extension .csv: data.prepare reads "
+                   f".txt, .md and .jsonl files, optionally gzipped (.txt.gz, ...), and text files without an "
+                   f"extension): give .txt/.md/.jsonl files with text in them, or text files without an extension")
+
+
+@pytest.mark.parametrize("how", ["monkeypatched", pytest.param("chmod", marks=running_as_root)])
+def test_an_unreadable_file_in_a_folder_is_skipped_and_named(tmp_path, capsys, monkeypatch, how):
+    texts = make_corpus(tmp_path / "in")
+    secret = tmp_path / "in" / "b" / "secret.txt"
+    secret.write_text("no one may read this")
+    if how == "chmod":
+        secret.chmod(0)
+    else:
+        unreadable_for(monkeypatch, secret)
+    summary = prepare([tmp_path / "in"], tmp_path / "out", val_tokens=40, workers=1)
+    assert summary["documents"] == len(texts)
+    assert (secret, "unreadable", f"cannot be read (Permission denied); make it readable with `chmod a+r {secret}` "
+                                  f"to include it") in summary["skipped"]
+    assert f"warning: skipping {secret}: cannot be read (Permission denied)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["monkeypatched", pytest.param("chmod", marks=running_as_root)])
+def test_an_unreadable_file_named_on_the_command_line_is_an_error(tmp_path, capsys, monkeypatch, how):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("no one may read this")
+    if how == "chmod":
+        secret.chmod(0)
+    else:
+        unreadable_for(monkeypatch, secret)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(secret), "--out", str(tmp_path / "out"), "--workers", "1"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"error: {secret}: cannot be read (Permission denied); make it readable with "
+                                       f"`chmod a+r {secret}` to include it\n")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name, content, why", [
+    ("notes.csv", b"a,b", "unknown extension .csv: data.prepare reads .txt, .md and .jsonl files"),
+    ("blob", b"\x00\x01", "binary, not text (it holds NUL bytes)"),
+    ("latin", "café au lait".encode("latin-1"), "not UTF-8 text (invalid continuation byte at byte 3); convert it"),
+    ("cut", "café".encode("latin-1"), "not UTF-8 text (unexpected end of data at byte 3); convert it"),
+])
+def test_a_file_named_on_the_command_line_that_is_not_read_is_an_error(tmp_path, capsys, name, content, why):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / name), "--out", str(tmp_path / "out"), "--workers", "1"])
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / name}: {why}")

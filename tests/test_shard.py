@@ -1,11 +1,15 @@
-"""data.shard: the llm.c / speedrun .bin layout byte for byte, and a clear error for every bad file."""
+"""data.shard: the llm.c / speedrun .bin layout byte for byte, a clear error for every bad file, and the start-up
+check of all shards."""
+import errno
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from data.shard import (BOS_ID, HEADER_BYTES, MAGIC, VERSION, VOCAB_SIZE, ShardError, check_token_ids, read_header,
-                        read_shard, write_shard)
+import data.shard
+from data.shard import (BOS_ID, HEADER_BYTES, MAGIC, VERSION, VOCAB_SIZE, ShardError, check_shards, check_token_ids,
+                        read_header, read_shard, write_shard)
 
 
 def test_round_trip_and_exact_layout(tmp_path):
@@ -78,3 +82,80 @@ def test_token_ids_outside_the_vocabulary(tmp_path):
     check_token_ids(np.array([0, VOCAB_SIZE - 1], dtype=np.uint16), "ok.bin")
     with pytest.raises(ShardError, match=r"bad.bin: holds token id 50257, but the GPT-2 vocabulary has 50257"):
         check_token_ids(np.array([3, VOCAB_SIZE, 2], dtype=np.uint16), "bad.bin")
+    check_token_ids(np.array([0, 999], dtype=np.uint16), "ok.bin", vocab_size=1000)  # a smaller model's limit
+    with pytest.raises(ShardError, match=r"small.bin: holds token id 1000, but the model embeds only 1000 ids: give "
+                                         r"the model a vocab_size of at least 50257"):
+        check_token_ids(np.array([1000], dtype=np.uint16), "small.bin", vocab_size=1000)
+
+
+# --- unreadable shards -------------------------------------------------------------------------------------------
+
+running_as_root = pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+
+
+def refuse(monkeypatch, path) -> None:
+    """Make data.shard's open() refuse `path` as chmod 000 would for a user that is not root."""
+    def refusing(file, *args, **kwargs):
+        if Path(file) == Path(path):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+        return open(file, *args, **kwargs)
+
+    monkeypatch.setattr(data.shard, "open", refusing, raising=False)
+
+
+@pytest.mark.parametrize("how", ["monkeypatched", pytest.param("chmod", marks=running_as_root)])
+def test_an_unreadable_shard_names_itself_and_the_fix(tmp_path, monkeypatch, how):
+    path = tmp_path / "train_000001.bin"
+    write_shard(path, np.arange(10, dtype=np.uint16))
+    if how == "chmod":
+        path.chmod(0)
+    else:
+        refuse(monkeypatch, path)
+    for reader in (read_header, read_shard, lambda p: check_shards([p], VOCAB_SIZE)):
+        with pytest.raises(ShardError) as error:
+            reader(path)
+        assert str(error.value) == (f"shard {path}: cannot be read (Permission denied): make it readable with "
+                                    f"`chmod a+r {path}`, or run as a user allowed to read it")
+
+
+# --- the start-up check ------------------------------------------------------------------------------------------
+
+def shards(folder, count, size=50):
+    paths = [folder / f"train_{i:06d}.bin" for i in range(1, count + 1)]
+    for i, path in enumerate(paths):
+        write_shard(path, np.arange(i, i + size, dtype=np.uint16))
+    return paths
+
+
+def test_check_shards_counts_the_tokens_of_good_shards(tmp_path):
+    paths = shards(tmp_path, 3)
+    assert check_shards(paths, VOCAB_SIZE) == 150
+    assert check_shards(paths + paths[:1], VOCAB_SIZE) == 150  # a shard given twice (train and val) counts once
+    assert check_shards([], VOCAB_SIZE) == 0
+
+
+def test_a_bad_id_in_the_last_shard_fails_the_check(tmp_path):
+    paths = shards(tmp_path, 5)
+    tokens = read_shard(paths[-1]).copy()
+    tokens[-1] = 60_000
+    write_shard(paths[-1], tokens)
+    with pytest.raises(ShardError, match=rf"^shard {paths[-1]}: holds token id 60000, but the GPT-2 vocabulary has "
+                                         rf"50257 ids: it was tokenized with another tokenizer; "):
+        check_shards(paths, VOCAB_SIZE)
+    tokens[-1] = 3000  # a GPT-2 id, but past the embedding of a model with 1000 rows
+    write_shard(paths[-1], tokens)
+    with pytest.raises(ShardError, match=rf"^shard {paths[-1]}: holds token id 3000, but the model embeds only 1000"):
+        check_shards(paths, 1000)
+
+
+def test_every_header_is_checked_before_any_token(tmp_path, monkeypatch):
+    """A cut-off last shard is reported before the first shard's bad id, and without reading any token: headers
+    first, so a bad file anywhere fails in milliseconds, not after minutes of scanning."""
+    paths = shards(tmp_path, 3)
+    write_shard(paths[0], np.array([1, 60_000], dtype=np.uint16))
+    paths[-1].write_bytes(paths[-1].read_bytes()[:-4])
+    scanned = []
+    monkeypatch.setattr(data.shard, "check_token_ids", lambda tokens, path, vocab_size: scanned.append(path))
+    with pytest.raises(ShardError, match=rf"^shard {paths[-1]}: header says 50 tokens \(100 bytes\) but only 96"):
+        check_shards(paths, VOCAB_SIZE)
+    assert scanned == []
