@@ -303,6 +303,18 @@ class GPT(nn.Module):
                  for short, w in ((False, window), (True, short_window(window, cfg.block_size)))}
         return masks, *rotary_tables(inputs_BT.size(1), cfg.head_dim, cfg.rope_base, inputs_BT.device)
 
+    def embed_stream(self, inputs_BT: Tensor) -> tuple[Tensor, list[Tensor], list[list[Tensor]]]:
+        """(the stream's start (B, T, D), x0 for each block, each value embedding's rows (B, T, A) once for each of
+        its two layers), in compute_dtype: x0 = norm(the token embedding's rows) is also the stream's start."""
+        x0_BTD = norm(self.embed(inputs_BT).to(self.compute_dtype))
+        ves_BTA = [emb(inputs_BT).to(self.compute_dtype) for emb in self.value_embeds]
+        return x0_BTD, [x0_BTD] * self.config.num_layers, [[ve_BTA, ve_BTA] for ve_BTA in ves_BTA]
+
+    @staticmethod
+    def skip_add(x_BTD: Tensor, s_BTD: Tensor, w: Tensor) -> Tensor:
+        """x + w s: a U-net skip (w a 0-D weight), and the backout."""
+        return x_BTD + w.type_as(x_BTD) * s_BTD
+
     def hidden_states(self, inputs_BT: Tensor, window: Tensor) -> Tensor:
         """The residual stream after the last block (B, T, D) in compute_dtype, from token ids (B, T); window is the
         long attention window in tokens, a 0-D int64 tensor so that growing it never recompiles."""
@@ -310,25 +322,24 @@ class GPT(nn.Module):
         self.check_inputs(inputs_BT)
         window = torch.as_tensor(window, dtype=torch.int64, device=inputs_BT.device)
         masks, cos_TP, sin_TP = self.attention_inputs(inputs_BT, window)
-        x0_BTD = norm(self.embed(inputs_BT).to(self.compute_dtype))
-        ves_BTA = [emb(inputs_BT).to(self.compute_dtype) for emb in self.value_embeds]
-        x_BTD, v_first_BTHd, skips = x0_BTD, None, []
+        x_BTD, x0s_BTD, ves_BTA = self.embed_stream(inputs_BT)
+        v_first_BTHd, skips = None, []
         L, num_skips = cfg.num_layers, cfg.num_layers // 2
         for i, block in enumerate(self.blocks):
             if i >= L - num_skips:  # second half: add the mirrored first-half output (U-net)
-                x_BTD = x_BTD + self.skip_weights[i - (L - num_skips)].type_as(x_BTD) * skips.pop()
+                x_BTD = self.skip_add(x_BTD, skips.pop(), self.skip_weights[i - (L - num_skips)])
             if i == L // 2:
                 mid_BTD = x_BTD  # what the middle block reads: the backout's
             ve_index = cfg.value_embed_index(i)
-            ve_BTA = None if ve_index is None else ves_BTA[ve_index]
-            x_BTD, v_BTHd = block(x_BTD, x0_BTD, v_first_BTHd, ve_BTA, cos_TP, sin_TP,
+            ve_BTA = None if ve_index is None else ves_BTA[ve_index].pop()
+            x_BTD, v_BTHd = block(x_BTD, x0s_BTD[i], v_first_BTHd, ve_BTA, cos_TP, sin_TP,
                                   masks[cfg.is_short_window(i)])
             if v_BTHd is not None:
                 v_first_BTHd = v_BTHd
             if i < num_skips:
                 skips.append(x_BTD)
         if self.backout_weight is not None:
-            x_BTD = x_BTD + self.backout_weight[0].type_as(x_BTD) * mid_BTD
+            x_BTD = self.skip_add(x_BTD, mid_BTD, self.backout_weight[0])
         return x_BTD
 
     def logits(self, inputs_BT: Tensor, window: Tensor) -> Tensor:

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from model.fast import norm_kernels, qkv_kernels
-from model.fast.fp8 import (NormedFP8Linear, delayed_scale, fp8_mm, k_major_weight, normed_fp8_linear, normed_scale,
+from model.fast.fp8 import (delayed_scale, fp8_mm, k_major_weight, normed_fp8_linear, normed_scale,
                             to_e4m3)
 from model.fast.mlp import ReLU2MLP, transposed_copy
 from model.gpt import MLP, Attention, Block, norm, prepare_qkv, x0_mix
@@ -126,15 +126,20 @@ class FP8QKV(torch.autograd.Function):
                 None if v_first_BTHd is None else grad_v_first, None if ve_BTA is None else grad_ve, None, None)
 
 
+def add_scale_history(part: nn.Module) -> None:
+    """part.fp8, set by FastGPT.configure, and part.grad_amax: the absolute maximum of the last gradient its FP8
+    backward copied, the next copy's scale, saved with the weights so that a resumed run keeps its scales."""
+    part.fp8 = False
+    part.register_buffer("grad_amax", torch.zeros(()))
+
+
 class FastAttention(Attention):
-    """Attention with its q, k, v projection in FP8 with `fp8` (both ways with `fp8_backward`: FP8QKV) and its q, k,
-    v preparation on qkv_kernels on CUDA."""
+    """Attention with its q, k, v projection in FP8 both ways with `fp8` (FP8QKV) and its q, k, v preparation on
+    qkv_kernels on CUDA."""
 
     def __init__(self, *args):
         super().__init__(*args)
-        self.fp8 = self.fp8_backward = False  # set by FastGPT.configure
-        # the last output gradient's amax, the next one's scale
-        self.register_buffer("grad_amax", torch.zeros(()))
+        add_scale_history(self)
 
     def init_weights(self) -> None:
         super().init_weights()
@@ -147,13 +152,12 @@ class FastAttention(Attention):
         B, T, _ = x_BTD.shape
         H, d = self.num_heads, self.head_dim
         qkv_w = self.qkv_w.flatten(0, 1).type_as(x_BTD)
-        if self.fp8 and self.fp8_backward:
+        if self.fp8:
             q, k, v = FP8QKV.apply(x_BTD, qkv_w, x8_BTD, cos_TP, sin_TP, self.value_lambdas, v_first_BTHd, ve_BTA,
                                    self.grad_amax, H)
         else:
-            qkv_BTN = NormedFP8Linear.apply(x_BTD, qkv_w, x8_BTD) if self.fp8 else F.linear(x_BTD, qkv_w)
             q, k, v = (QKVPrep.apply if on_qkv_kernels(x_BTD, d) else prepare_qkv)(
-                qkv_BTN.view(B, T, 3 * H, d), cos_TP, sin_TP, self.value_lambdas, v_first_BTHd, ve_BTA)
+                F.linear(x_BTD, qkv_w).view(B, T, 3 * H, d), cos_TP, sin_TP, self.value_lambdas, v_first_BTHd, ve_BTA)
         return self.attend_and_project(q, k, v, gate_in_BTG, mask), v
 
 
@@ -162,9 +166,7 @@ class FastMLP(MLP):
 
     def __init__(self, *args):
         super().__init__(*args)
-        self.fp8 = self.fp8_backward = False  # set by FastGPT.configure
-        # the last pre-activation gradient's amax, the next one's scale
-        self.register_buffer("grad_amax", torch.zeros(()))
+        add_scale_history(self)
 
     def init_weights(self) -> None:
         super().init_weights()
@@ -175,7 +177,7 @@ class FastMLP(MLP):
         x_MD = x_BTD.flatten(0, 1)
         y_MD = ReLU2MLP.apply(x_MD, self.fc_w.type_as(x_MD), self.proj_w.type_as(x_MD),
                               residual_BTD.flatten(0, 1).contiguous(), self.fp8,
-                              self.grad_amax if self.fp8_backward else None)
+                              self.grad_amax if self.fp8 else None)
         return y_MD.view_as(x_BTD)
 
 

@@ -70,18 +70,3 @@ def normed_fp8_linear(x: Tensor, w_NK: Tensor, x8: Tensor | None) -> tuple[Tenso
     # column-major: w (N, K) transposed
     out_MN = fp8_mm(x8_MK, to_e4m3(w_NK, w_scale).t(), x_scale, w_scale, x.dtype)
     return out_MN.view(*x.shape[:-1], w_NK.size(0)), x8_MK, x_scale
-
-
-class NormedFP8Linear(torch.autograd.Function):
-    """normed_fp8_linear, with F.linear's backward in x's dtype from the saved x and w."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, w_NK: Tensor, x8: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, w_NK)
-        return normed_fp8_linear(x, w_NK, x8)[0]
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, w_NK = ctx.saved_tensors
-        grad_MN = grad.reshape(-1, grad.size(-1))
-        return grad @ w_NK, grad_MN.t() @ x.reshape(-1, x.size(-1)), None

@@ -38,7 +38,7 @@ class FastGPT(GPT):
         aligned = c.model_dim % 16 == 0 and (c.num_heads * c.head_dim) % 16 == 0
         self.head.fp8 = fp8 and capability >= (8, 9)
         for part in fp8_parts(self.blocks):
-            part.fp8 = part.fp8_backward = fp8 and aligned and capability[0] == 9
+            part.fp8 = fp8 and aligned and capability[0] == 9
         return self
 
     def fp8_in_use(self) -> dict[str, bool]:
@@ -47,7 +47,7 @@ class FastGPT(GPT):
         return {"head": self.head.fp8, "blocks": bool(parts) and all(part.fp8 for part in parts)}
 
     def scale_histories(self) -> list[Tensor]:
-        return [part.grad_amax for part in fp8_parts(self.blocks) if part.fp8_backward]
+        return [part.grad_amax for part in fp8_parts(self.blocks) if part.fp8]
 
     def compile_regions(self, **kwargs) -> None:
         kwargs = {"dynamic": False, "fullgraph": True} | kwargs
@@ -75,13 +75,9 @@ class FastGPT(GPT):
         return [F.embedding(inputs_BT, emb.weight.detach()).to(self.compute_dtype)
                 for emb in (self.embed, *self.value_embeds)]
 
-    def hidden_states(self, inputs_BT: Tensor, window: Tensor) -> Tensor:
-        cfg = self.config
-        self.check_inputs(inputs_BT)
-        window = torch.as_tensor(window, dtype=torch.int64, device=inputs_BT.device)
-        masks, cos_TP, sin_TP = self.attention_inputs(inputs_BT, window)
+    def embed_stream(self, inputs_BT: Tensor) -> tuple[Tensor, list[Tensor], list[list[Tensor]]]:
         rows_BTD, *ves_BTA = self.embed_inputs(inputs_BT)
-        # each value embedding feeds two layers: one view of its rows for each
+        # the rows' gradients go straight into their tables; each value embedding feeds two layers, a view each
         if torch.is_grad_enabled():
             sorted_ids_N, order_N = sort_ids(inputs_BT)
             (rows_BTD,) = TableRows.apply(rows_BTD, self.embed.weight, sorted_ids_N, order_N, 1)
@@ -90,28 +86,12 @@ class FastGPT(GPT):
         else:
             ves_BTA = [[ve_BTA, ve_BTA] for ve_BTA in ves_BTA]
         x0_BTD = self.norm_rows(rows_BTD)
-        L, num_skips = cfg.num_layers, cfg.num_layers // 2
         # one view of x0 per reader, their gradients summed in one pass
-        *x0s_BTD, x_BTD = FanOut.apply(x0_BTD, L + 1, self.add_gradients)
+        *x0s_BTD, x_BTD = FanOut.apply(x0_BTD, self.config.num_layers + 1, self.add_gradients)
         # a copy: aliased inputs would make dynamo compile the first block's graph again
-        x_BTD = x_BTD.clone()
-        skips, v_first_BTHd = [], None
-        for i, block in enumerate(self.blocks):
-            if i >= L - num_skips:
-                x_BTD = SkipAdd.apply(x_BTD, skips.pop(), self.skip_weights[i - (L - num_skips)])
-            if i == L // 2:
-                mid_BTD = x_BTD
-            ve_index = cfg.value_embed_index(i)
-            ve_BTA = None if ve_index is None else ves_BTA[ve_index].pop()
-            x_BTD, v_BTHd = block(x_BTD, x0s_BTD[i], v_first_BTHd, ve_BTA, cos_TP, sin_TP,
-                                  masks[cfg.is_short_window(i)])
-            if v_BTHd is not None:
-                v_first_BTHd = v_BTHd
-            if i < num_skips:
-                skips.append(x_BTD)
-        if self.backout_weight is not None:
-            x_BTD = SkipAdd.apply(x_BTD, mid_BTD, self.backout_weight[0])
-        return x_BTD
+        return x_BTD.clone(), x0s_BTD, ves_BTA
+
+    skip_add = staticmethod(SkipAdd.apply)
 
     def scored_loss_sum(self, inputs_BT: Tensor, targets_BT: Tensor, window: Tensor) -> Tensor:
         """GPT.scored_loss_sum; compiled, the blocks run with autograd on, reusing their training graphs."""
