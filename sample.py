@@ -3,15 +3,9 @@
     python sample.py --checkpoint logs/RUN --prompt "The meaning of life is" [--num_samples 3]
     python sample.py --checkpoint logs/RUN/ckpt_001750.pt --prompt "..." --temperature 0    # greedy
 
-Each row starts with BOS, as every training document does. A sample ends at <|endoftext|> (the model would
-start an unrelated document after it) or after --max_new_tokens.
-
-No KV cache: each new token re-runs the model on the context (at most the training seq_len), padded to the length
-the whole sample will have, so that every step has one shape and the compiled attention never recompiles:
-O(final length) work per token instead of O(1). A cache would have to live inside model/: the
-attention there reads the whole sequence at once (document ids, sliding windows, value residual and value
-embeddings are computed per call), so caching means a second, incremental code path through every layer. At
-the lengths people sample (a few hundred tokens) one re-run of the 124M model takes milliseconds on a GPU.
+Rows start with BOS, as training documents do, and end at <|endoftext|> or after --max_new_tokens. A KV cache
+(model/decode.py) reads the prompt once, then each new token alone. The context is at most the training seq_len:
+past it, each token re-reads the last seq_len tokens into a fresh cache, so no position exceeds those trained on.
 """
 import argparse
 import math
@@ -21,12 +15,13 @@ import torch
 
 from data.shard import BOS_ID
 from data.tokenizer import get_encoding
+from model.decode import KVCache
 from model.gpt import GPT
 from runtime.checkpoint import load_model
 from runtime.dist import choose_device
-from runtime.errors import exit_on_user_error
+from runtime.errors import UserError, exit_on_user_error
 
-TEXT_VOCAB = BOS_ID + 1  # ids above <|endoftext|> only pad the vocabulary to a multiple of 128; never sampled
+TEXT_VOCAB = BOS_ID + 1  # ids above <|endoftext|> are padding, never sampled
 
 
 def pick(logits_BV: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> torch.Tensor:
@@ -36,46 +31,31 @@ def pick(logits_BV: torch.Tensor, temperature: float, top_k: int, generator: tor
     if top_k:
         kth_BV = torch.topk(logits_BV, min(top_k, logits_BV.size(-1)), dim=-1).values[:, -1:]
         logits_BV = logits_BV.masked_fill(logits_BV < kth_BV, -math.inf)
-    # shifted so that the largest is 0 before the division: a tiny temperature then gives -inf, never inf - inf = nan
+    # max shifted to 0 first, so a tiny temperature gives -inf, never inf - inf = nan
     tempered_BV = (logits_BV - logits_BV.amax(dim=-1, keepdim=True)) / temperature
     return torch.multinomial(torch.softmax(tempered_BV, dim=-1), 1, generator=generator)[:, 0]
-
-
-def padded_length(prompt_len: int, max_new_tokens: int, block: int, max_context: int) -> int:
-    """The one length generate feeds the model: the longest context it will see, rounded up to a whole attention
-    block (FlexAttention's unit). FlexAttention on a GPU compiles each new length (after 8, dynamo gives up and runs
-    it unfused), so the length stays fixed while the sample grows."""
-    return min(max_context, math.ceil((prompt_len + max_new_tokens) / block) * block)
-
-
-def pad_to(tokens_BN: torch.Tensor, length: int) -> torch.Tensor:
-    """The context padded with BOS to `length`; causal attention never looks at the padding, so the real positions'
-    outputs do not change."""
-    return torch.nn.functional.pad(tokens_BN, (0, length - tokens_BN.size(1)), value=BOS_ID)
 
 
 @torch.no_grad()
 def generate(model: GPT, prompt: list[int], *, max_new_tokens: int, temperature: float, top_k: int,
              num_samples: int, window: int, max_context: int, generator: torch.Generator) -> list[list[int]]:
-    """The new tokens of `num_samples` continuations of `prompt` (token ids, BOS first); generation stops early
-    once every sample has produced <|endoftext|>.
-
-    `window` is the attention window in tokens (the one the model ended training with), `max_context` the
-    longest context fed to the model (its training seq_len).
-    """
+    """The new tokens of `num_samples` continuations of `prompt` (ids, BOS first), stopping once all have ended.
+    `window`: the attention window the model ended training with; `max_context`: its training seq_len."""
     device = next(model.parameters()).device
-    length = padded_length(len(prompt), max_new_tokens, model.config.block_size, max_context)
     tokens_BN = torch.tensor([prompt] * num_samples, dtype=torch.int32, device=device)
-    window_t = torch.tensor(window, dtype=torch.int64, device=device)
+    capacity = min(max_context, len(prompt) + max_new_tokens)
     ended_B = torch.zeros(num_samples, dtype=torch.bool, device=device)
+    cache, new_BT = None, tokens_BN
     for _ in range(max_new_tokens):
-        context_BN = tokens_BN[:, -max_context:]
-        hidden_BD = model.hidden_states(pad_to(context_BN, length), window_t)[:, context_BN.size(1) - 1]
+        if cache is None or cache.length == max_context:  # the prompt, or a full context
+            cache, new_BT = KVCache(model, num_samples, capacity, window), tokens_BN[:, -max_context:]
+        hidden_BD = cache.extend(new_BT)[:, -1]
         logits_BV = model.head.logits(hidden_BD)[:, :TEXT_VOCAB]
         next_B = pick(logits_BV, temperature, top_k, generator)
-        tokens_BN = torch.cat([tokens_BN, next_B[:, None].to(tokens_BN.dtype)], dim=1)
+        new_BT = next_B[:, None].to(tokens_BN.dtype)
+        tokens_BN = torch.cat([tokens_BN, new_BT], dim=1)
         ended_B |= next_B == BOS_ID
-        if ended_B.all():  # every sample is complete (main cuts each at its <|endoftext|>)
+        if ended_B.all():  # main cuts each at its <|endoftext|>
             break
     return tokens_BN[:, len(prompt):].tolist()
 
@@ -93,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for name, low in (("max_new_tokens", 0), ("temperature", 0), ("top_k", 0), ("num_samples", 1)):
         if not getattr(args, name) >= low:  # also refuses nan
-            raise ValueError(f"--{name}={getattr(args, name)} must be at least {low}")
+            raise UserError(f"--{name}={getattr(args, name)} must be at least {low}")
     if math.isinf(args.temperature):
-        raise ValueError("--temperature=inf would draw every token alike: give a finite temperature (0 = greedy)")
+        raise UserError("--temperature=inf would draw every token alike: give a finite temperature (0 = greedy)")
 
     device = choose_device(args.device, local_rank=0)
     model, train_config = load_model(args.checkpoint, device)

@@ -1,1 +1,1 @@
-"""Everything a run needs around the model: its config, CLI, process setup, logging, checkpoints, user errors."""
+"""Around the model: config, CLI, process setup, logging, checkpoints, user errors."""

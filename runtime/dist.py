@@ -1,19 +1,28 @@
-"""Process setup: which device, which rank, and the process group when torchrun started several processes."""
+"""Process setup: device, rank and, under torchrun, the process group, a hang watchdog, and death with torchrun."""
+import ctypes
 import dataclasses
+import datetime
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
+import threading
+import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from runtime.cli import parse_config
 from runtime.config import PRESETS, TrainConfig
-from runtime.errors import UserError
+from runtime.errors import UserError, tell_torchrun
+
+HUNG_EXIT = 4  # exit status when a rank stops answering (2: user error, 3: diverged)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal this process gets when its parent dies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +43,7 @@ def choose_device(flag: str, local_rank: int) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         gpus = nvidia_device_files()
-        if flag == "cuda" or gpus:  # auto goes to the CPU only where there is no GPU to use
+        if flag == "cuda" or gpus:  # auto falls back to the CPU only where there is no GPU
             raise UserError(no_usable_gpu(flag, gpus))
         return torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
@@ -45,27 +54,24 @@ def choose_device(flag: str, local_rank: int) -> torch.device:
 
 
 def device_for_flags(argv: list[str]) -> torch.device:
-    """The device train_gpt2 would take with these flags (its first process), or the UserError it would stop with.
-    run.sh asks before it downloads FineWeb: where torch cannot use the machine's GPUs, the run then stops in the
-    seconds torch takes to load, not after minutes of download."""
+    """The device train_gpt2's first process would take with these flags, or its UserError; run.sh asks before a
+    download, so an unusable GPU stops the run early."""
     return choose_device(parse_config(TrainConfig, argv, PRESETS).device, 0)
 
 
 def nvidia_device_files(dev: str = "/dev") -> list[str]:
-    """The NVIDIA GPUs' device files (/dev/nvidia0, ...; not nvidiactl or nvidia-uvm): present where the driver runs
-    and, in a container, where it was started with the GPUs (--gpus), whatever this torch build can do with them."""
+    """The NVIDIA GPUs' device files (/dev/nvidia0, ...), whatever this torch build can do with them."""
     names = [name for name in os.listdir(dev) if re.fullmatch(r"nvidia\d+", name)] if os.path.isdir(dev) else []
     return [os.path.join(dev, name) for name in sorted(names, key=lambda name: int(name.removeprefix("nvidia")))]
 
 
-# the torch build a CUDA 12 driver runs, named in both messages below and in the README's first section
+# the torch build for a CUDA 12 driver, also named in the README
 CUDA12_TORCH = "`pip install torch --index-url https://download.pytorch.org/whl/cu128` for a CUDA 12 driver"
 
 
 def no_usable_gpu(flag: str, gpus: list[str]) -> str:
-    """Why torch sees no GPU, and the fix. Where the machine has GPUs, --device auto stops here instead of training
-    on the CPU: the torch that pip installs by default (2.14.1+cu130 here on 2026-12-01) cannot use a driver older
-    than CUDA 13 (nvidia-smi's "CUDA Version"), and under torchrun the record model then trained in CPU processes."""
+    """Why torch sees no GPU, and the fix. On a machine with GPUs --device auto stops here rather than train on the
+    CPU: pip's default torch cannot use an older driver, which is the usual cause."""
     if not gpus:
         return ("--device cuda, but no CUDA GPU is visible (torch.cuda.is_available() is False, and there is no "
                 "/dev/nvidia0): check nvidia-smi (in Docker: docker run --gpus all), or train on the CPU with "
@@ -85,9 +91,8 @@ def no_usable_gpu(flag: str, gpus: list[str]) -> str:
 
 
 def hides_every_gpu(visible: str, gpus: int) -> bool:
-    """Whether CUDA_VISIBLE_DEVICES=`visible` leaves CUDA no GPU on a machine of `gpus`: CUDA reads the list up to
-    its first entry that names none, so an empty or out-of-range first entry hides all. GPU and MIG UUIDs cannot be
-    checked here; they count as naming a GPU (schedulers such as SLURM set the variable on every job)."""
+    """Whether CUDA_VISIBLE_DEVICES=`visible` hides all `gpus`: CUDA stops at the first entry naming none. UUIDs
+    cannot be checked and count as GPUs."""
     first = visible.split(",")[0].strip()
     if first.startswith(("GPU-", "MIG-")):
         return False
@@ -95,7 +100,7 @@ def hides_every_gpu(visible: str, gpus: int) -> bool:
 
 
 def driver_cuda_note() -> str:
-    """"; the driver runs CUDA up to X" from nvidia-smi's header, or nothing where it says nothing."""
+    """"; the driver runs CUDA up to X" from nvidia-smi, or ""."""
     try:
         header = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
@@ -105,13 +110,8 @@ def driver_cuda_note() -> str:
 
 
 def check_kernel_toolchain() -> None:
-    """Refuse a CUDA device that Triton could not build kernels for: choose_device asks for every entry point
-    (train_gpt2 before anything is written, sample.py, evals.hellaswag).
-
-    The first time each kind of Triton kernel runs (ours, or inductor's), Triton compiles a small C extension: its
-    launcher. That takes a C compiler ($CC, else gcc, else clang) and Python's headers, looked up as Triton 3.6 does
-    (triton/runtime/build.py). Without them the run failed in the first kernel launch with the compiler's command
-    line, or FileNotFoundError, as its message (bench/results/triton_toolchain_1xH200.txt)."""
+    """Refuse a CUDA device Triton cannot build kernel launchers for: they need a C compiler ($CC, gcc or clang) and
+    Python's headers, and without them the first launch fails obscurely."""
     compiler = os.environ.get("CC")
     if compiler:
         no_compiler = "" if shutil.which(compiler) else f"a C compiler (CC={compiler!r} is not a program)"
@@ -130,47 +130,9 @@ def check_kernel_toolchain() -> None:
                         f"image")
 
 
-def fp8_supported(device: torch.device) -> bool:
-    """torch._scaled_mm's FP8 path needs compute capability 8.9+ (Ada, Hopper and later)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def fp8_forward_supported(device: torch.device) -> bool:
-    """The MLP's FP8 products are Gluon kernels for Hopper's warpgroup MMA (model/mlp_kernels.py): compute
-    capability 9."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
-def use_device_paths(model, device: torch.device, fp8_head: bool = False, fp8_forward: bool = False,
-                     fp8_backward: bool = False) -> None:
-    """Pick the model's kernels for `device`. FlexAttention has no CPU backward, so on the CPU the same mask
-    runs through SDPA (tests prove the two equal); CPUs without bf16 units emulate it slowly, so CPU math is fp32.
-    The LM head's fused loss saves GPU memory and time; on the CPU plain F.cross_entropy is faster. It runs in
-    FP8 when asked for and the GPU has it; so do the blocks' forward products (model/fp8.py), and with them the
-    MLPs' backward products and the attentions' q, k, v projections' input gradients (ReLU2MLP, FP8QKV)."""
-    cuda = device.type == "cuda"
-    model.attention_backend = "flex" if cuda else "sdpa"
-    if not cuda:
-        model.compute_dtype = torch.float32
-    model.head.fused = cuda
-    model.head.fp8 = fp8_head and fp8_supported(device)
-    # the FP8 operands' rows (D wide) and the products' outputs must be 16-byte aligned (TMA, cuBLAS)
-    c = model.config
-    fp8_fits = c.model_dim % 16 == 0 and (c.num_heads * c.head_dim) % 16 == 0
-    for block in model.blocks:
-        for part in (block.attn, block.mlp):
-            if part is not None:
-                part.fp8 = fp8_forward and fp8_fits and fp8_forward_supported(device)
-        for part in (block.attn, block.mlp):
-            if part is not None:
-                part.fp8_backward = part.fp8 and fp8_backward
-
-
-def setup(device_flag: str) -> Runtime:
-    """Read torchrun's environment (absent: one process) and join the process group.
-
-    NCCL on CUDA, gloo on CPU, so the same code runs on a GPU box and in CPU CI.
-    """
+def setup(device_flag: str, collective_timeout_s: int = TrainConfig.collective_timeout_s) -> Runtime:
+    """Read torchrun's environment (absent: one process) and join the process group. A Watchdog ends a hung job after
+    `collective_timeout_s`; collectives time out at twice that, so its message, naming the ranks, comes first."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -178,16 +140,119 @@ def setup(device_flag: str) -> Runtime:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size > 1:
+        launcher = die_with_launcher()
+        timeout = datetime.timedelta(seconds=2 * collective_timeout_s)
         if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("nccl", device_id=device, timeout=timeout)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
+        global _watchdog
+        _watchdog = Watchdog(rank, world_size, collective_timeout_s, launcher)
     return Runtime(rank, world_size, device)
 
 
 def teardown():
+    global _watchdog
+    if _watchdog:
+        _watchdog.stop()
+        _watchdog = None
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def die_with_launcher() -> int | None:
+    """Under torchrun on Linux, get SIGTERM when torchrun dies (even by kill -9), so no worker trains on alone.
+    Returns torchrun's pid, or None elsewhere."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return None
+    launcher = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != launcher:  # it died before prctl
+        os.kill(os.getpid(), signal.SIGTERM)
+    return launcher
+
+
+class Watchdog:
+    """Ends the job with HUNG_EXIT when a rank's heartbeat in the job's store stops for `timeout_s`, or the store
+    does; the lowest answering rank says why. Threads beat, so a long step or compile never trips it."""
+
+    def __init__(self, rank: int, world_size: int, timeout_s: int, launcher: int | None):
+        self.rank, self.world_size, self.timeout_s, self.launcher = rank, world_size, timeout_s, launcher
+        self.period = min(5.0, timeout_s / 4)
+        self.peers = [r for r in range(world_size) if r != rank]
+        self.address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        # its own connection, so a hung store blocks this one, never the training's
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's store outlives restarts
+        self.store = dist.PrefixStore(f"gpt-speedrun/watchdog/{attempt}", store)
+        now = time.monotonic()
+        self.answered = now  # when the store last answered this rank
+        self.heard = dict.fromkeys(self.peers, now)  # when each peer's counter last moved
+        self.counts = dict.fromkeys(self.peers, -1)
+        self.done: set[int] = set()
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=target, name=f"watchdog-{name}", daemon=True)
+                        for name, target in (("exchange", self._exchange), ("judge", self._judge))]
+        for thread in self.threads:
+            thread.start()
+
+    def stop(self) -> None:
+        """Mark this rank done, so no other rank waits for it, and end the threads."""
+        if self._store_alive():
+            try:
+                self.store.add(f"done/{self.rank}", 1)
+            except dist.DistError:  # the store is gone, and with it the readers
+                pass
+        self.stopping.set()
+
+    def _store_alive(self) -> bool:
+        # torchrun's store dies with it; not asking then spares the log warnings
+        return self.launcher is None or os.getppid() == self.launcher
+
+    def _exchange(self) -> None:
+        while not self.stopping.wait(self.period) and self._store_alive():
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+                counts = {r: self.store.add(f"beat/{r}", 0) for r in self.peers}
+                done = {r for r in self.peers if self.store.add(f"done/{r}", 0)}
+            except dist.DistError:
+                return  # not asked again; the judge sees it silent
+            now = time.monotonic()
+            for r, count in counts.items():
+                if count != self.counts[r]:
+                    self.counts[r], self.heard[r] = count, now
+            self.done |= done
+            self.answered = now
+
+    def _judge(self) -> None:
+        while not self.stopping.wait(self.period):
+            now = time.monotonic()
+            if now - self.answered > self.timeout_s:
+                holder = "torchrun" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "rank 0"
+                self._end(f"the job's store at {self.address}, which {holder} holds, has not answered for "
+                          f"{self.timeout_s} s", reporter=self.rank == (1 if holder == "rank 0" else 0))
+            silent = [r for r in self.peers if r not in self.done and now - self.heard[r] > self.timeout_s]
+            if silent:
+                answering = sorted(set(range(self.world_size)) - set(silent))
+                ranks = f"rank {silent[0]} has" if len(silent) == 1 else f"ranks {', '.join(map(str, silent))} have"
+                self._end(f"{ranks} not answered for {self.timeout_s} s (stopped, frozen or cut off)",
+                          reporter=self.rank == answering[0])
+
+    def _end(self, cause: str, reporter: bool) -> NoReturn:
+        """Exit with HUNG_EXIT. The reporter says why; the others wait two periods, so the reporter speaks first."""
+        message = f"error: {cause}: ending the job (exit status {HUNG_EXIT}); --collective_timeout_s sets this wait"
+        tell_torchrun(message)  # torchrun's summary shows the first rank to exit
+        if reporter:
+            os.write(2, f"{message}\n".encode())
+        else:
+            time.sleep(2 * self.period)
+        os._exit(HUNG_EXIT)
+
+
+_watchdog: Watchdog | None = None
 
 
 def all_ranks_sum(value: float, rt: Runtime) -> float:
@@ -199,19 +264,14 @@ def all_ranks_sum(value: float, rt: Runtime) -> float:
     return t.item()
 
 
-def agree_on_scales(model, rt: Runtime) -> None:
-    """Every rank's MLPs and attentions take the largest of the ranks' last gradient amaxes, the history their FP8
-    backward scales by (model/layers.py's ReLU2MLP and FP8QKV). Each rank records its own micro-batches', so without
-    this the ranks' next scales would differ, and a checkpoint, which saves rank 0's, would resume the others at scales
-    they never had. Called once a step, before the update: one all_reduce of a few floats."""
-    amaxes = [part.grad_amax for b in model.blocks for part in (b.attn, b.mlp)
-              if part is not None and part.fp8_backward]
-    if rt.world_size == 1 or not amaxes:
+def agree_on_max(tensors: list[torch.Tensor], rt: Runtime) -> None:
+    """Set `tensors` in place to the ranks' elementwise maximum, so that every rank holds the same."""
+    if rt.world_size == 1 or not tensors:
         return
-    stacked = torch.stack(amaxes)
+    stacked = torch.stack(tensors)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
-    for amax, agreed in zip(amaxes, stacked):
-        amax.copy_(agreed)
+    for t, agreed in zip(tensors, stacked):
+        t.copy_(agreed)
 
 
 def broadcast_object(obj, rt: Runtime):

@@ -78,14 +78,14 @@ def test_grad_accum_must_divide():
 
 @pytest.mark.parametrize("batch, device_batch, world, fix", [
     (24, 5, 1, "try --device_batch_size=4 "),  # the largest divisor of 24 up to the 5 asked for
-    (8, 0, 1, "try --device_batch_size=1 "),
+    (8, -1, 1, "try --device_batch_size=1 "),
     (3, 2, 2, "try --batch_size=4"),  # no device batch splits 3 sequences over 2 processes
     (2, 2, 8, "try --batch_size=16, or keep --batch_size=2 on 1 process (NPROC=1 bash run.sh, or torchrun "
               "--nproc_per_node=1)"),  # fewer sequences than processes
     (3, 1, 8, "try --batch_size=8, or keep --batch_size=3 on 3 processes (NPROC=3 "),  # --preset short on 8 GPUs
 ])
 def test_batch_size_errors_name_a_fix_that_works(batch, device_batch, world, fix):
-    with pytest.raises(ValueError, match=re.escape(fix)) as error:
+    with pytest.raises(UserError, match=re.escape(fix)) as error:
         derive(TrainConfig(batch_size=batch, device_batch_size=device_batch), world_size=world)
     flag, value = re.search(r"--(\w+)=(\d+)", str(error.value).split(";")[1]).groups()
     fixed = {"batch_size": batch, "device_batch_size": device_batch, flag: int(value)}
@@ -94,6 +94,19 @@ def test_batch_size_errors_name_a_fix_that_works(batch, device_batch, world, fix
     if fewer:  # so is the other: the same batch on fewer processes
         assert derive(TrainConfig(batch_size=batch, device_batch_size=device_batch),
                       world_size=int(fewer.group(1))).grad_accum >= 1
+
+
+@pytest.mark.parametrize("batch, world, device_batch", [(2, 1, 2), (2, 2, 1), (8, 2, 4), (3, 8, 1)])
+def test_device_batch_zero_takes_all_of_a_process_sequences(batch, world, device_batch):
+    """--device_batch_size=0 (the smoke preset's): one micro-step of all the sequences a process has, so the same
+    flags run on one process or several; with fewer sequences than processes, the batch error says so."""
+    cfg = TrainConfig(batch_size=batch, device_batch_size=0)
+    if batch < world:
+        with pytest.raises(UserError, match=rf"--batch_size={batch} must be a positive multiple"):
+            derive(cfg, world)
+        return
+    derived = derive(cfg, world)
+    assert (derived.device_batch_size, derived.grad_accum) == (device_batch, 1)
 
 
 def test_momentum_warmup_of_every_step_follows_the_run_length():
@@ -134,10 +147,20 @@ def test_record_attention_cut_only_at_the_records_depth(num_layers, cut):
 def test_flags_reach_the_config_and_the_model():
     """Booleans in any case, the preset's own name kept in the config (the log and resume's advice read it), and the
     flags that switch model parts on reaching GPTConfig (dropped there, they would train the plain model silently)."""
-    cfg = parse_config(TrainConfig, ["--preset=smoke", "--compile=TRUE", "--attn_gate=False", "--smear=Yes",
-                                     "--backout=1", "--value_residual=true"], PRESETS)
-    assert (cfg.preset, cfg.compile, cfg.attn_gate) == ("smoke", True, False)
+    cfg = parse_config(TrainConfig, ["--preset=smoke", "--compile=TRUE", "--fp8=False", "--backout=Yes",
+                                     "--value_residual=true"], PRESETS)
+    assert (cfg.preset, cfg.compile, cfg.fp8) == ("smoke", True, False)
     model = model_config(cfg)
-    assert (model.smear, model.backout, model.value_residual, model.attn_gate) == (True, True, True, False)
-    with pytest.raises(ValueError, match=r"--log_every=0 must be positive"):  # the loop divides by it
+    assert (model.backout, model.value_residual) == (True, True)
+    with pytest.raises(UserError, match=r"--log_every=0 must be positive"):  # the loop divides by it
         derive(TrainConfig(log_every=0), world_size=1)
+
+
+def test_help_groups_the_flags_and_shows_the_presets_values(capsys):
+    """--help lists the flags under six groups, each with its value under the preset given beside it."""
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--preset", "smoke", "--help"], PRESETS)
+    out = capsys.readouterr().out
+    groups = [line[:-1] for line in out.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert groups == ["model", "optimizer", "schedule", "data", "run", "performance"]
+    assert "--num_layers=2 " in out and "--preset='smoke'" in out and "--num_layers=12 " not in out

@@ -83,10 +83,9 @@ def rank_main(rank, world_size, store, out_dir, normuon_beta2):
 
 @pytest.mark.parametrize("normuon_beta2", [0.0, 0.95])
 def test_two_gloo_ranks_match_one_process_on_the_global_batch(tmp_path, normuon_beta2):
-    # fork, not spawn: a spawned child re-imports torch (seconds each on CI's two cores); DataLoader workers
-    # fork the same way, and rank_main limits each child to one thread.
+    # spawn: a fork of a process whose autograd engine has started its threads (any earlier test's backward) fails
     mp.start_processes(rank_main, args=(2, str(tmp_path / "store"), str(tmp_path), normuon_beta2), nprocs=2,
-                       join=True, start_method="fork")
+                       join=True, start_method="spawn")
     reference, reference_grads, reference_state, matrices = train(rank=0, world_size=1, normuon_beta2=normuon_beta2)
     rank0, grads0, state0, matrices0 = torch.load(tmp_path / "rank0.pt")
     rank1, _, state1, matrices1 = torch.load(tmp_path / "rank1.pt")

@@ -8,6 +8,7 @@ import sample
 from data.shard import BOS_ID
 from data.tokenizer import get_encoding
 from helpers import random_gpt
+from model.decode import KVCache
 from model.gpt import GPT
 from runtime.checkpoint import load_model
 from runtime.errors import UserError
@@ -65,16 +66,20 @@ def test_greedy_matches_the_unpadded_reference_and_repeats(model, words):
     assert len(set(greedy[0])) > 1  # the random model does not just repeat one token
 
 
-def test_generate_feeds_one_length_while_the_sample_grows(model, monkeypatch):
-    """Every step pads to the sample's final length, so FlexAttention compiles one shape on a GPU; the padding is
-    causal-invisible: greedy tokens equal the unpadded reference's as the context crosses a block boundary."""
+def test_generate_reads_the_prompt_once_then_one_token_per_step(model, monkeypatch):
+    """The cache takes the prompt, then each new token alone; once the context reaches max_context it takes the last
+    max_context tokens afresh for each token (positions from 0, as in training), and the greedy tokens stay the
+    unpadded reference's throughout."""
     prompt = [BOS_ID] + get_encoding().encode_ordinary(" ".join(["fox"] * 99))
-    lengths, hidden_states = [], model.hidden_states
-    monkeypatch.setattr(model, "hidden_states", lambda inputs, *a: lengths.append(inputs.size(1)) or
-                        hidden_states(inputs, *a))
+    widths, extend = [], KVCache.extend
+    monkeypatch.setattr(KVCache, "extend", lambda cache, tokens: widths.append(tokens.size(1)) or extend(cache, tokens))
     got = run(model, prompt, temperature=0.0, max_new_tokens=40, max_context=256)[0]
-    assert len(prompt) == 100 and len(got) == 40 and set(lengths) == {256}  # 140 tokens: two blocks of 128
+    assert len(prompt) == 100 and len(got) == 40 and widths == [100] + [1] * 39
     assert got == greedy_reference(model, prompt, 40, 256)
+    widths.clear()
+    assert run(model, prompt, temperature=0.0, max_new_tokens=40, max_context=120)[0] == \
+        greedy_reference(model, prompt, 40, 120)
+    assert widths == [100] + [1] * 20 + [120] * 19  # the context holds 120 tokens from the 20th new one on
 
 
 def test_seeds_reproduce_and_differ(model):
@@ -112,25 +117,22 @@ def test_cli_prints_the_prompt_and_its_continuation(checkpoint, capsys):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_what_generate_feeds_the_model_matches_the_bare_context(checkpoint, device, capsys):
-    """On each device, as sample.py loads the model there: the context padded through FlexAttention (generate's
-    way) gives the bare context's next-token logits under the dense-mask path; and the
-    command runs there. CPU math is fp32; on CUDA it is bf16, where the two paths differ by rounding only: 0.048
-    at most, measured on the CPU with bf16 activations (logits up to 15), so 0.15 leaves room and still catches
-    any leak of the padding or a wrong window."""
+def test_the_cache_matches_the_full_model_as_sample_loads_it(checkpoint, device, capsys):
+    """On each device, as sample.py loads the model there (a FastGPT on CUDA): the cache's next-token logits after the
+    prompt and after each of 6 more tokens equal the full model's under the dense-mask path; and the command runs
+    there. CPU math is fp32; on CUDA it is bf16, where the two differ by rounding only (logits up to 15), so 0.15
+    still catches any wrong key, document or window."""
     model, config = load_model(str(checkpoint), torch.device(device))
-    prompt = [BOS_ID] + get_encoding().encode_ordinary(" ".join(["fox"] * 40))
-    n = len(prompt)
-    window = torch.tensor(config["window_max_tokens"], device=device)
-    tokens = torch.tensor([prompt], dtype=torch.int32, device=device)
-    padded = sample.pad_to(tokens, sample.padded_length(n, 6, model.config.block_size, config["seq_len"]))
+    model.attention_backend = "sdpa"
+    tokens = torch.tensor([[BOS_ID] + get_encoding().encode_ordinary(" ".join(["fox"] * 40) + PROMPT)], device=device)
+    n, window = tokens.size(1), config["window_max_tokens"]
+    cache = KVCache(model, 1, n, window)
     with torch.no_grad():
-        model.attention_backend = "flex"
-        flex = model.head.logits(model.hidden_states(padded, window)[:, n - 1])
-        model.attention_backend = "sdpa"
-        dense = model.logits(tokens, window)[:, -1]
-    assert dense.abs().max() > 5  # the random head's logits are far from 0
-    assert (flex - dense).abs().max() < (1e-4 if device == "cpu" else 0.15)
+        hidden = [cache.extend(tokens[:, :n - 6])] + [cache.extend(tokens[:, t:t + 1]) for t in range(n - 6, n)]
+        cached = model.head.logits(torch.cat(hidden, dim=1))
+        full = model.logits(tokens, torch.tensor(window, device=device))
+    assert full.abs().max() > 5  # the random head's logits are far from 0
+    assert (cached - full).abs().max() < (1e-4 if device == "cpu" else 0.15)
 
     assert sample.main(["--checkpoint", str(checkpoint), "--prompt", PROMPT, "--max_new_tokens", "6", "--device",
                         device, "--temperature", "0"]) == 0

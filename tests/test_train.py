@@ -158,7 +158,7 @@ def test_lagged_log_lines_keep_their_order(tmp_path):
 def test_loss_record_gives_the_time_of_its_step_when_read_later():
     """Without a GPU, a record's train time is the time it was made (CPU work is synchronous), however late it is
     read; the loss and the stop vote come back as logged."""
-    from runtime.run import LossRecord, TrainClock
+    from runtime.control import LossRecord, TrainClock
     clock = TrainClock(cuda=False, ms=1000.0)
     clock.start()
     record = LossRecord(7, torch.tensor(2.5, dtype=torch.bfloat16), True, 1, clock)
@@ -173,7 +173,7 @@ def test_loss_record_gives_the_time_of_its_step_when_read_later():
 def test_loss_record_queues_without_waiting_for_the_gpu():
     """Making a record syncs nothing (the sync debug mode raises on any sync), so it returns while the GPU is still
     busy; reading it waits, and its train time includes the GPU's work queued before it."""
-    from runtime.run import LossRecord, TrainClock
+    from runtime.control import LossRecord, TrainClock
     clock = TrainClock(cuda=True)
     clock.start()
     torch.cuda._sleep(10**9)  # GPU clock cycles: at least 0.5 s at an H200's 1,980 MHz at most
@@ -224,7 +224,7 @@ def test_profile_step_on_the_gpu_alone(tmp_path):
 
 def test_kernel_busy_time_merges_overlaps():
     """GPU busy time is the union of kernel intervals; the span runs from the first start to the last end."""
-    from runtime.run import kernel_busy_ms
+    from runtime.profile import kernel_busy_ms
 
     kernels = [(0, 1000), (500, 1000), (3000, 500), (3200, 100)]  # (start, duration) in us; two overlaps
     events = [{"cat": "kernel", "ts": ts, "dur": dur} for ts, dur in kernels] + [{"cat": "cpu_op", "ts": 0, "dur": 9e6}]
@@ -259,7 +259,7 @@ def synthetic_trace() -> list[dict]:
 def test_launch_sites_attribute_gpu_time_to_the_enclosing_cpu_ops():
     """Each GPU event is charged to the CPU ops open on its launching thread when its runtime call ran, found
     through the correlation id; other threads' ops do not enclose it."""
-    from runtime.run import launch_sites
+    from runtime.profile import launch_sites
 
     graph = "## Call CompiledFxGraph fabc ##"
     assert launch_sites(synthetic_trace()[::-1]) == {  # the order in the file does not matter
@@ -276,7 +276,7 @@ def test_launch_sites_attribute_gpu_time_to_the_enclosing_cpu_ops():
 def test_launch_sites_split_compiled_graphs_from_eager_glue():
     """The table's summary: GPU time launched inside compiled graphs, and the rest by the innermost CPU op (the
     eager glue to remove), largest first."""
-    from runtime.run import by_innermost_op, launch_sites, launch_sites_table
+    from runtime.profile import by_innermost_op, launch_sites, launch_sites_table
 
     compiled, eager = by_innermost_op(launch_sites(synthetic_trace()))
     assert compiled == [2, 4.6]
@@ -289,15 +289,16 @@ def test_launch_sites_split_compiled_graphs_from_eager_glue():
 
 def test_logged_commit_prefers_the_environment(monkeypatch):
     """An exported copy of the code names its commit with SPEEDRUN_GIT_COMMIT, even inside another checkout."""
+    from runtime import logger
     from runtime.logger import versions
 
     monkeypatch.setenv("SPEEDRUN_GIT_COMMIT", "abc1234")
     assert versions(torch.device("cpu"))["git_commit"] == "abc1234"
     monkeypatch.delenv("SPEEDRUN_GIT_COMMIT")
-    try:  # git's HEAD where the repository is a checkout and git is installed (CI clones it), else none
+    try:  # git's HEAD where the repository is a checkout and git is installed (CI clones it), else .git's files'
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     except OSError:
-        head = ""
+        head = logger.head_commit(REPO / ".git") or ""
     assert versions(torch.device("cpu"))["git_commit"] == (head if len(head) == 40 else None)
 
 
