@@ -1,11 +1,10 @@
 """README.md's CPU commands run as written, so the README cannot drift from the code.
 
 The blocks of the sections in RUN run in order in one copy of the repository, `python` being this interpreter. A
-training command gets a few flags appended that shorten it (later flags win; 24 steps, so that a checkpoint every 20
-is written), and the HellaSwag evaluation reads a 5-example file instead of downloading the dataset; nothing else of
-a command changes. The first section's commands
-(run.sh, the test suite) are CI's own (.ci/run); the GPU-only sections (the record run, several nodes, Docker,
-benchmarks) need what CI lacks.
+training command gets a few flags appended that shorten it (later flags win): 32 steps, so that the checkpoint the
+README resumes from (step 30) is kept; the HellaSwag evaluation reads a 5-example file instead of downloading the
+dataset. Nothing else of a command changes. The first section's commands (run.sh, the test suite)
+are CI's own (.ci/run); the GPU-only sections (the record run, several nodes, Docker, benchmarks) need what CI lacks.
 """
 import os
 import re
@@ -22,7 +21,7 @@ RUN = ("Your own corpus", "Resume, sample and evaluate")  # README sections whos
 # flags that keep its math), and HellaSwag's file from the tests
 SHORTER = {"--resume": "--warmup_steps=0 --val_loss_every=0",
            "--preset tiny": "--num_iterations=2 --batch_size=2 --val_loss_every=0 --val_tokens=4096 --warmup_steps=0",
-           "train_gpt2.py": "--num_iterations=24 --val_loss_every=12 --val_tokens=4096 --warmup_steps=0",
+           "train_gpt2.py": "--num_iterations=32 --val_loss_every=16 --val_tokens=4096 --warmup_steps=0",
            "evals.hellaswag": f"--hellaswag_file={ROOT / 'tests' / 'data' / 'hellaswag_tiny.jsonl'}",
            "sample.py": "--max_new_tokens=8"}
 

@@ -73,13 +73,13 @@ def test_generate_reads_the_prompt_once_then_one_token_per_step(model, monkeypat
     prompt = [BOS_ID] + get_encoding().encode_ordinary(" ".join(["fox"] * 99))
     widths, extend = [], KVCache.extend
     monkeypatch.setattr(KVCache, "extend", lambda cache, tokens: widths.append(tokens.size(1)) or extend(cache, tokens))
-    got = run(model, prompt, temperature=0.0, max_new_tokens=40, max_context=256)[0]
-    assert len(prompt) == 100 and len(got) == 40 and widths == [100] + [1] * 39
-    assert got == greedy_reference(model, prompt, 40, 256)
+    got = run(model, prompt, temperature=0.0, max_new_tokens=20, max_context=256)[0]
+    assert len(prompt) == 100 and len(got) == 20 and widths == [100] + [1] * 19
+    assert got == greedy_reference(model, prompt, 20, 256)
     widths.clear()
-    assert run(model, prompt, temperature=0.0, max_new_tokens=40, max_context=120)[0] == \
-        greedy_reference(model, prompt, 40, 120)
-    assert widths == [100] + [1] * 20 + [120] * 19  # the context holds 120 tokens from the 20th new one on
+    assert run(model, prompt, temperature=0.0, max_new_tokens=20, max_context=110)[0] == \
+        greedy_reference(model, prompt, 20, 110)
+    assert widths == [100] + [1] * 10 + [110] * 9  # the context holds 110 tokens from the 10th new one on
 
 
 def test_seeds_reproduce_and_differ(model):

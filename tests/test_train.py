@@ -80,9 +80,10 @@ def test_momentum_warmup_over_every_step_is_the_run_length(tmp_path):
     flags = [*TINY, "--num_iterations=5", "--val_loss_every=0"]
     _, every = train(tmp_path / "every", *flags, "--momentum_warmup_steps=-1")
     _, five = train(tmp_path / "five", *flags, "--momentum_warmup_steps=5")
-    _, none = train(tmp_path / "none", *flags, "--momentum_warmup_steps=0")
     assert losses(every, "train_loss") == losses(five, "train_loss")
-    assert losses(every, "train_loss")[5] != losses(none, "train_loss")[5]  # the warm-up reaches the losses
+    # the warm-up reaches the losses: the golden runs (the same flags, the default 300-step warm-up) differ
+    assert all(losses(every, "train_loss")[5] != pytest.approx(table[4], rel=1e-6)
+               for table in GOLDEN["--normuon_beta2=0.95"])
 
 
 def test_two_processes_equal_one(tmp_path):
