@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from model.head import Head
 from runtime.checkpoint import save_checkpoint
 from runtime.config import PRESETS, TrainConfig
 
@@ -42,11 +41,14 @@ def head_seconds(fused: bool) -> float:
     """One forward + backward of the smoke preset's head on one device batch of random activations."""
     smoke = TrainConfig(**PRESETS["smoke"])
     torch.manual_seed(0)
+    if fused:  # model/fast's head; its import needs triton
+        from model.fast.head import FastHead as Head
+    else:
+        from model.gpt import Head
     head = Head(smoke.model_dim, smoke.vocab_size, smoke.logit_softcap)
     torch.nn.init.normal_(head.weight, std=0.02)
-    head.fused = fused
-    x = torch.randn(smoke.device_batch_size, smoke.seq_len, smoke.model_dim, requires_grad=True)
-    targets = torch.randint(0, smoke.vocab_size, (smoke.device_batch_size, smoke.seq_len))
+    x = torch.randn(smoke.batch_size, smoke.seq_len, smoke.model_dim, requires_grad=True)
+    targets = torch.randint(0, smoke.vocab_size, (smoke.batch_size, smoke.seq_len))
     return median_s(lambda: head(x, targets, "mean").backward())
 
 

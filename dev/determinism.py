@@ -29,8 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from model.gpt import GPT
-from runtime import dist
+from runtime.backend import build_model
 from runtime.config import PRESETS, TrainConfig, model_config, parse_config
 
 DOC_EVERY = 937  # tokens between document starts in the random micro-batch: about 52 documents in 49,152 tokens
@@ -114,14 +113,12 @@ def main() -> None:
     cfg = parse_config(TrainConfig, [] if cuda else ["--preset=smoke"], PRESETS)
     mcfg = model_config(cfg)
     torch.manual_seed(0)
-    model = GPT(mcfg).to(device)
+    model, _ = build_model(mcfg, device, cfg.kernels, cfg.fp8)
     model.init_weights()
     with torch.no_grad():
         for p in model.parameters():
             if p.abs().max() == 0:
                 p.normal_(0, 0.02)
-    dist.use_device_paths(model, device, fp8_head=cfg.fp8_head, fp8_forward=cfg.fp8_forward,
-                          fp8_backward=cfg.fp8_backward)
     if cuda:
         model.compile_regions()
     g = torch.Generator(device=device).manual_seed(1)

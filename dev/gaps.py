@@ -12,7 +12,7 @@ import sys
 from collections import defaultdict
 
 from runtime.errors import exit_on_user_error
-from runtime.run import GPU_WORK, LAUNCHES, launch_paths, read_gpu_trace
+from runtime.profile import GPU_WORK, LAUNCHES, launch_paths, read_gpu_trace
 
 MIN_GAP_US = 2  # shorter gaps are the usual distance between back-to-back kernels
 BUCKETS_US = (5, 20, 100, 1000, float("inf"))

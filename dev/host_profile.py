@@ -7,7 +7,7 @@
 
 Why: the profiler's own host work lengthens a traced step, so a trace cannot say how close the host runs to the
 GPU in an untraced one. py-spy samples the host from outside, at a small cost to the step. bench.run throughput logs
-every step, and the main thread reads each step's loss once the next step is queued (runtime.run.LossRecord.read):
+every step, and the main thread reads each step's loss once the next step is queued (runtime.control.LossRecord.read):
 its seconds there are the GPU's lead over the host; near zero, the host is less than a step ahead, and may be what
 limits the step (the recording cannot say whether the GPU idled).
 

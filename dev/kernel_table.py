@@ -11,7 +11,7 @@ import sys
 from collections import defaultdict
 
 from runtime.errors import exit_on_user_error
-from runtime.run import COMPILED_GRAPH, launch_sites, read_gpu_trace
+from runtime.profile import COMPILED_GRAPH, launch_sites, read_gpu_trace
 
 
 def main():

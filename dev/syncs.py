@@ -6,7 +6,7 @@ synchronizing call counted by where it was made.
 The arguments are train_gpt2.py's. Each row: how many times, the seven innermost frames, and after "||" the
 innermost two frames of train_gpt2.py, which say whether the call came from the set-up, the warm-up or the timed
 loop (they call train_step from different lines). A timed step should make none: the loop reads each step's loss one
-step late (runtime.run.LossRecord). torch calls the mode a prototype that does not catch every synchronizing call.
+step late (runtime.control.LossRecord). torch calls the mode a prototype that does not catch every synchronizing call.
 """
 import collections
 import runpy

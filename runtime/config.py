@@ -85,9 +85,9 @@ PRESETS: dict[str, dict] = {
                   device_batch_size=0, num_layers=2, model_dim=64, num_heads=2, head_dim=32, num_value_embeds=1,
                   num_iterations=40, cooldown_frac=0.3, window_min_tokens=128, window_max_tokens=256,
                   val_loss_every=20, log_every=5, lr_embed=0.1, lr_head=0.01, warmup_steps=1, compile=False),
-    # a small model for your own corpus (python -m data.prepare)
-    "tiny": dict(val_tokens=65_536, seq_len=512, batch_size=16, device_batch_size=2, num_layers=4, model_dim=256,
-                 num_heads=4, head_dim=64, num_value_embeds=1, num_iterations=300, cooldown_frac=0.5,
+    # a small model for your own corpus (python -m data.prepare); narrow, as Muon's bf16 iterations are slow on CPUs
+    "tiny": dict(val_tokens=65_536, seq_len=512, batch_size=8, device_batch_size=2, num_layers=4, model_dim=128,
+                 num_heads=2, head_dim=64, num_value_embeds=1, num_iterations=200, cooldown_frac=0.5,
                  window_min_tokens=128, window_max_tokens=512, val_loss_every=50, log_every=10, lr_embed=0.1,
                  lr_head=0.01, warmup_steps=1),
     # the one-GPU time-to-loss run: the record's model, fewer and smaller steps

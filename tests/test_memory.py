@@ -24,7 +24,8 @@ def test_num_params_counts_the_models_parameters(preset):
 
 @pytest.mark.parametrize("preset, flags, measured_gib", [
     ("smoke", {}, 1.36),  # peak RSS of `python train_gpt2.py --preset=smoke`, 2 CPU cores
-    ("tiny", {"seq_len": 1024, "batch_size": 8, "device_batch_size": 8}, 15.54),  # the same, 8 x 1024 per micro-step
+    ("tiny", {"seq_len": 1024, "batch_size": 8, "device_batch_size": 8, "model_dim": 256, "num_heads": 4},
+     15.54),  # the same, for a 4-layer model of width 256, 8 x 1024 tokens per micro-step
 ])
 def test_the_estimate_covers_measured_peaks_closely(preset, flags, measured_gib):
     cfg = config(preset, **flags)
