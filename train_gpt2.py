@@ -17,7 +17,7 @@ import torch
 from data.loader import TrainLoader, ValLoader
 from data.prepare import ensure_sample_shards
 from data.shard import FINEWEB_SHARD_TOKENS, check_shards
-from evals.validation import validation_loss
+from evals.validation import choose_int8_layers, validation_loss
 from optim.optimizer import MuonAdam
 from optim.schedule import attention_window, lr_multiplier, muon_momentum
 from runtime import checkpoint, dist
@@ -126,7 +126,7 @@ def train(cfg: TrainConfig, rt: dist.Runtime, resume_changes: list[str], stop: S
     # ------------------------------------------------
     # 4. model and optimizer
     torch.manual_seed(cfg.seed)
-    model, notes = build_model(derived.model, device, cfg.kernels, cfg.fp8)
+    model, notes = build_model(derived.model, device, cfg.kernels, cfg.fp8, cfg.attention_forward)
     model.init_weights()
     if cfg.compile and cuda:
         use_static_launcher()
@@ -195,6 +195,8 @@ def train(cfg: TrainConfig, rt: dist.Runtime, resume_changes: list[str], stop: S
         if control.validates(step):
             train_time_ms = clock.stop()
             t_val = time.perf_counter()
+            if cfg.attention_forward == "int8":  # the layers' errors change as the model trains
+                log.print(choose_int8_layers(model, next(iter(val_loader))[0], window_at(step), rt))
             val_loss = validation_loss(model, val_loader, window_at(step), rt)
             log.step(step, cfg.num_iterations, train_time_ms, val_loss=val_loss,
                      val_time_s=time.perf_counter() - t_val)
@@ -233,7 +235,8 @@ def train(cfg: TrainConfig, rt: dist.Runtime, resume_changes: list[str], stop: S
     # 8. the end: optional HellaSwag, memory
     if cfg.hellaswag:
         from evals.hellaswag import evaluate_hellaswag
-        accuracy = evaluate_hellaswag(model, rt, path=cfg.hellaswag_file or None)
+        accuracy = evaluate_hellaswag(model, rt, path=cfg.hellaswag_file or None,
+                                      int8_attention=cfg.attention_forward == "int8")
         log.print(f"hellaswag accuracy: {accuracy:.4f}")
     if cuda:
         log.print(f"peak memory allocated: {torch.cuda.max_memory_allocated(device) // 2**20} MiB "

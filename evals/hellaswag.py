@@ -24,12 +24,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from tqdm import tqdm
 
 from data.shard import BOS_ID
 from data.tokenizer import get_encoding
+from evals.validation import choose_int8_layers
 from runtime import dist
 from runtime.checkpoint import load_model
+from runtime.config import ATTENTION_FORWARDS
 from runtime.errors import UserError, exit_on_user_error
 
 COMMIT = "a29ff8e9a04bba4bd6588223785ce105328adc57"  # of github.com/rowanz/hellaswag: a commit's files never change
@@ -161,11 +164,9 @@ def render(example: dict, enc) -> list[tuple[list[int], list[int]]]:
     return [(context, enc.encode_ordinary(" " + ending)) for ending in example["endings"]]
 
 
-@torch.no_grad()
-def ending_losses(model, rows: list[tuple[list[int], list[int]]], num_rows: int, device) -> torch.Tensor:
-    """Mean loss of each row's ending tokens given its context, (len(rows),), in a batch of `num_rows` rows padded
-    on the right to whole attention blocks; only the ending positions go through the LM head."""
-    block = model.config.block_size
+def batch(rows: list[tuple[list[int], list[int]]], num_rows: int, block: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    """(inputs, targets (num_rows, T), window): the rows padded on the right to whole attention blocks, the targets
+    only at the ending's positions (else -100), and a window over the whole row for every layer."""
     T = math.ceil(max(len(c) + len(e) for c, e in rows) / block) * block
     inputs = torch.full((num_rows, T), BOS_ID, dtype=torch.int32)
     targets = torch.full((num_rows, T), -100, dtype=torch.int64)
@@ -174,9 +175,15 @@ def ending_losses(model, rows: list[tuple[list[int], list[int]]], num_rows: int,
         inputs[i, :len(tokens)] = torch.tensor(tokens)
         # position t predicts token t + 1
         targets[i, len(context) - 1:len(tokens) - 1] = torch.tensor(ending)
-    inputs, targets = inputs.to(device), targets.to(device)
     # twice the row length: the short-window layers see the whole row too
-    window = torch.tensor(2 * T, dtype=torch.int64, device=device)
+    return inputs.to(device), targets.to(device), torch.tensor(2 * T, dtype=torch.int64, device=device)
+
+
+@torch.no_grad()
+def ending_losses(model, rows: list[tuple[list[int], list[int]]], num_rows: int, device) -> Tensor:
+    """Mean loss of each row's ending tokens given its context, (len(rows),), in a batch of `num_rows` rows (`batch`);
+    only the ending positions go through the LM head."""
+    inputs, targets, window = batch(rows, num_rows, model.config.block_size, device)
     scored_BT = targets != -100
     logits_NV = model.head.logits(model.hidden_states(inputs, window)[scored_BT])
     losses_N = F.cross_entropy(logits_NV, targets[scored_BT], reduction="none")
@@ -185,8 +192,9 @@ def ending_losses(model, rows: list[tuple[list[int], list[int]]], num_rows: int,
     return (sums / scored_BT.sum(dim=1).clamp_min(1))[:len(rows)].cpu()
 
 
-def count_correct(model, rt: dist.Runtime, examples: list[dict]) -> tuple[int, int]:
-    """(correct, total) over all ranks; rank r scores examples r, r + world_size, ..."""
+def count_correct(model, rt: dist.Runtime, examples: list[dict], int8_attention: bool = False) -> tuple[int, int]:
+    """(correct, total) over all ranks; rank r scores examples r, r + world_size, ... With int8_attention (a
+    model/fast FastGPT), the layers choose INT8/FP8 attention by evals.validation's rule on the first batch."""
     device = next(model.parameters()).device
     enc = get_encoding()
     mine = examples[rt.rank::rt.world_size]
@@ -201,6 +209,9 @@ def count_correct(model, rt: dist.Runtime, examples: list[dict]) -> tuple[int, i
             for start in tqdm(batches, desc="hellaswag", disable=not (rt.is_master and sys.stderr.isatty())):
                 chunk = mine[start:start + EXAMPLES_PER_BATCH]
                 rows = [row for ex in chunk for row in render(ex, enc)]
+                if int8_attention and start == 0:
+                    inputs, _, window = batch(rows, len(rows), model.config.block_size, device)
+                    choose_int8_layers(model, inputs, window, rt)
                 losses = ending_losses(model, rows, NUM_ENDINGS * EXAMPLES_PER_BATCH, device).view(-1, NUM_ENDINGS)
                 labels = torch.tensor([ex["label"] for ex in chunk])
                 correct += int((losses.argmin(dim=1) == labels).sum())
@@ -209,10 +220,11 @@ def count_correct(model, rt: dist.Runtime, examples: list[dict]) -> tuple[int, i
     return int(dist.all_ranks_sum(correct, rt)), len(examples)
 
 
-def evaluate_hellaswag(model, rt: dist.Runtime, path: str | None = None, limit: int | None = None) -> float:
+def evaluate_hellaswag(model, rt: dist.Runtime, path: str | None = None, limit: int | None = None,
+                       int8_attention: bool = False) -> float:
     """Accuracy on HellaSwag validation (or `path`, in its format) over the first `limit` examples; every rank
     calls it and gets the same value."""
-    correct, total = count_correct(model, rt, select_examples(path, limit))
+    correct, total = count_correct(model, rt, select_examples(path, limit), int8_attention)
     return correct / total
 
 
@@ -222,14 +234,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hellaswag_file", default="", help=f"local copy of {URL} (default: download it)")
     parser.add_argument("--device", default="auto", help="auto, cuda or cpu")
     parser.add_argument("--limit", type=int, default=0, help="score only the first N examples (0 = all)")
+    parser.add_argument("--attention_forward", default="bf16", choices=ATTENTION_FORWARDS,
+                        help="bf16 (FlexAttention) or int8 (INT8/FP8 attention where a layer's error allows)")
     args = parser.parse_args(argv)
     if args.limit < 0:
         raise UserError(f"--limit={args.limit} must be 0 (all examples) or positive")
     rt = dist.setup(args.device)
     try:
         # the checkpoint first: the argument the user typed
-        model, _ = load_model(args.checkpoint, rt.device)
-        correct, total = count_correct(model, rt, select_examples(args.hellaswag_file, args.limit or None))
+        model, _ = load_model(args.checkpoint, rt.device, attention_forward=args.attention_forward)
+        correct, total = count_correct(model, rt, select_examples(args.hellaswag_file, args.limit or None),
+                                       args.attention_forward == "int8")
         if rt.is_master:
             print(f"hellaswag accuracy: {correct / total:.4f} ({correct}/{total})")
     finally:

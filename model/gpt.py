@@ -98,8 +98,12 @@ class Attention(nn.Module):
                            mask: BlockMask | Tensor) -> Tensor:
         """Attention of q, k, v (B, T, H, d) under `mask`, heads gated by sigmoid(w_h . gate_in), to (B, T, D)."""
         y_BHTd = attend(q_BTHd.transpose(1, 2), k_BTHd.transpose(1, 2), v_BTHd.transpose(1, 2), mask, self.scale)
+        return self.gate_and_project(y_BHTd.transpose(1, 2), gate_in_BTG)
+
+    def gate_and_project(self, y_BTHd: Tensor, gate_in_BTG: Tensor) -> Tensor:
+        """The heads' outputs (B, T, H, d), each gated by sigmoid(w_h . gate_in), projected to (B, T, D)."""
         gate_BTH = torch.sigmoid(F.linear(gate_in_BTG, self.gate_w.type_as(gate_in_BTG)))
-        y_BTA = (y_BHTd.transpose(1, 2) * gate_BTH[..., None]).flatten(2)
+        y_BTA = (y_BTHd * gate_BTH[..., None]).flatten(2)
         return F.linear(y_BTA, self.proj_w.type_as(y_BTA))
 
     def forward(self, x_BTD: Tensor, v_first_BTHd: Tensor | None, ve_BTA: Tensor | None, cos_TP: Tensor,
@@ -298,10 +302,14 @@ class GPT(nn.Module):
         """({is_short_window: mask}, cos, sin (T, P)) for one batch."""
         cfg = self.config
         doc_BT = document_ids(inputs_BT, cfg.bos_id)
-        make = block_mask if self.attention_backend == "flex" else dense_mask
-        masks = {short: make(doc_BT, w, cfg.block_size)
+        masks = {short: self.make_mask(doc_BT, w)
                  for short, w in ((False, window), (True, short_window(window, cfg.block_size)))}
         return masks, *rotary_tables(inputs_BT.size(1), cfg.head_dim, cfg.rope_base, inputs_BT.device)
+
+    def make_mask(self, doc_BT: Tensor, window: Tensor) -> BlockMask | Tensor:
+        """The mask of one window for documents doc_BT, in the attention backend's form."""
+        make = block_mask if self.attention_backend == "flex" else dense_mask
+        return make(doc_BT, window, self.config.block_size)
 
     def embed_stream(self, inputs_BT: Tensor) -> tuple[Tensor, list[Tensor], list[list[Tensor]]]:
         """(the stream's start (B, T, D), x0 for each block, each value embedding's rows (B, T, A) once for each of

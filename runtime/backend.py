@@ -30,16 +30,34 @@ def untested_triton() -> str | None:
     return None if found.startswith(tuple(v + "." for v in TESTED_TRITON)) else found
 
 
-def build_model(config: GPTConfig, device: torch.device, kernels: str = "auto",
-                fp8: bool = True) -> tuple[GPT, list[str]]:
+def check_int8_attention(device: torch.device, kernels: str, head_dim: int) -> None:
+    """A UserError where INT8/FP8 attention cannot run: it is a fused kernel (model/fast) with FP8 products (8.9+)."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is None or capability < (8, 9) or kernels == "0":
+        where = f"compute capability {capability}" if capability else str(device)
+        raise UserError(f"--attention_forward=int8 runs in the fused kernels on CUDA GPUs of compute capability 8.9 "
+                        f"or newer (FP8 products), with --kernels auto or 1; this run has {where} and "
+                        f"--kernels={kernels}: use --attention_forward=bf16")
+    if head_dim % 16 or head_dim & (head_dim - 1):
+        raise UserError(f"--attention_forward=int8 needs a power-of-two head_dim of at least 16 (its kernel's tiles); "
+                        f"this model has {head_dim}: use --attention_forward=bf16")
+
+
+def build_model(config: GPTConfig, device: torch.device, kernels: str = "auto", fp8: bool = True,
+                attention_forward: str = "bf16") -> tuple[GPT, list[str]]:
     """(the model on `device`, its weights not yet initialised; notes for the run's log). A CUDA run whose kernels
     cannot load stops with the import error and the fix, instead of quietly training without them."""
     notes = []
+    if attention_forward == "int8":
+        check_int8_attention(device, kernels, config.head_dim)
     untested = kernels == "auto" and device.type == "cuda" and untested_triton()
     if untested:
         notes.append(f"note: triton {untested} is not one the fused kernels are tested with "
                      f"({', '.join(TESTED_TRITON)}): training the plain model; --kernels=1 uses the kernels anyway")
     if untested or not wants_kernels(kernels, device):
+        if attention_forward == "int8":
+            raise UserError(f"--attention_forward=int8 runs in the fused kernels, which triton {untested} is not "
+                            f"tested with: pass --kernels=1 to use them anyway, or --attention_forward=bf16")
         if fp8 and device.type == "cuda":
             notes.append("note: --fp8 applies to the fused kernels; the plain model (--kernels=0) runs bf16")
         return GPT(config).to(device).configure(device), notes

@@ -224,12 +224,14 @@ def saved_config(path: str) -> dict:
     return load_checkpoint(path, mmap=True)["config"]
 
 
-def load_model(path: str, device: torch.device, kernels: str = "auto") -> tuple[GPT, dict]:
+def load_model(path: str, device: torch.device, kernels: str = "auto",
+               attention_forward: str = "bf16") -> tuple[GPT, dict]:
     """The GPT from a checkpoint (eval mode, built for `device`) and its training config; errors name --checkpoint."""
     flag = "--checkpoint"
     state = load_checkpoint(path, mmap=True, flag=flag)
     try:
-        model, _ = build_model(GPTConfig(**state["model_config"]), device, kernels, fp8=False)
+        model, _ = build_model(GPTConfig(**state["model_config"]), device, kernels, fp8=False,
+                               attention_forward=attention_forward)
         model.load_state_dict(state["model"])
     except (TypeError, RuntimeError) as e:  # unknown config fields; missing, extra or reshaped weights
         first = str(e).strip().splitlines()[0]

@@ -12,6 +12,7 @@ from runtime.cli import parse_config, parse_flags
 from runtime.errors import UserError
 
 KERNEL_CHOICES = ("auto", "1", "0")
+ATTENTION_FORWARDS = ("bf16", "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +73,7 @@ class TrainConfig:
     device_batch_size: int = 1  # sequences per GPU and micro-step (0 = all); lower to save memory
     kernels: str = "auto"  # fused Triton kernels: auto = on CUDA, 1 = required, 0 = plain model
     fp8: bool = True  # FP8 matmuls with the kernels (blocks: Hopper, head: 8.9+)
+    attention_forward: str = "bf16"  # validation and HellaSwag attention: bf16, or int8 (INT8/FP8, kernels, 8.9+)
     compile: bool = True  # torch.compile the model, 1/0
     warmup_steps: int = 3  # untimed warm-up steps; the initial state is then restored
     profile_step: int = 0  # trace this step with torch.profiler; 0 = none
@@ -104,7 +106,7 @@ PRESETS: dict[str, dict] = {
 
 # Flags a resume may change: they leave the training math the same
 RESUME_MAY_CHANGE = {"resume", "log_dir", "checkpoint_every", "val_loss_every", "log_every", "compile", "kernels",
-                     "fp8", "profile_step", "profile_cpu", "warmup_steps", "device", "hellaswag", "hellaswag_file",
+                     "fp8", "attention_forward", "profile_step", "profile_cpu", "warmup_steps", "device", "hellaswag", "hellaswag_file",
                      "val_files", "val_tokens", "val_context", "preset", "device_batch_size", "stall_steps",
                      "collective_timeout_s"}
 BLOCK_SIZE = 128  # FlexAttention's tile
@@ -175,6 +177,9 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
     if cfg.kernels not in KERNEL_CHOICES:
         raise UserError(f"--kernels={cfg.kernels!r}: use auto (the fused kernels on CUDA), 1 (require them) or 0 "
                         f"(the plain model of model/gpt.py)")
+    if cfg.attention_forward not in ATTENTION_FORWARDS:
+        raise UserError(f"--attention_forward={cfg.attention_forward!r}: use bf16 (FlexAttention) or int8 (INT8/FP8 "
+                        f"attention in validation and HellaSwag)")
     if not 0 <= cfg.normuon_beta2 < 1:
         raise UserError(f"--normuon_beta2={cfg.normuon_beta2} must be from 0 (plain Muon) to below 1; NorMuon's "
                         f"paper uses --normuon_beta2=0.95")

@@ -61,3 +61,25 @@ def test_an_untested_triton_trains_the_plain_model_with_a_note(monkeypatch, inst
         assert type(model) is GPT
         assert notes == [f"note: triton {untested} is not one the fused kernels are tested with (3.6, 3.8): "
                          f"training the plain model; --kernels=1 uses the kernels anyway"]
+
+
+@pytest.mark.parametrize("device, capability, kernels, head_dim, says", [
+    (CPU, None, "auto", 32, "this run has cpu and --kernels=auto"),
+    (CUDA, (8, 0), "auto", 32, r"this run has compute capability \(8, 0\) and --kernels=auto"),
+    (CUDA, (9, 0), "0", 32, r"this run has compute capability \(9, 0\) and --kernels=0"),
+    (CUDA, (9, 0), "auto", 48, "needs a power-of-two head_dim of at least 16"),
+])
+def test_int8_attention_where_it_cannot_run_is_refused(monkeypatch, device, capability, kernels, head_dim, says):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+    config = GPTConfig(vocab_size=256, num_layers=2, model_dim=96, num_heads=2, head_dim=head_dim, num_value_embeds=1,
+                       bos_id=0)
+    with pytest.raises(UserError, match=f"--attention_forward=int8 .*{says}.*use --attention_forward=bf16"):
+        backend.build_model(config, device, kernels=kernels, attention_forward="int8")
+
+
+def test_int8_attention_on_an_untested_triton_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(backend, "untested_triton", lambda: "3.9.0")
+    with pytest.raises(UserError, match=r"--attention_forward=int8 runs in the fused kernels, which triton 3.9.0 is not "
+                                        r"tested with: pass --kernels=1 to use them anyway, or --attention_forward=bf16"):
+        backend.build_model(TINY, CUDA, attention_forward="int8")

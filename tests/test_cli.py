@@ -61,6 +61,11 @@ def test_wrong_type_names_flag_and_expectation(flag, expected):
         parse_config(TrainConfig, [flag], PRESETS)
 
 
+def test_attention_forward_names_its_choices():
+    with pytest.raises(UserError, match=r"--attention_forward='fp4': use bf16 \(FlexAttention\) or int8"):
+        derive(parse_config(TrainConfig, ["--attention_forward=fp4"], PRESETS), world_size=1)
+
+
 def test_missing_value_and_unknown_preset():
     with pytest.raises(UserError, match="--seq_len needs a value"):
         parse_config(TrainConfig, ["--seq_len"], PRESETS)

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
+from model.attention import attend
 from model.fast import norm_kernels, qkv_kernels
+from model.fast.attention_kernels import Int8Mask
 from model.fast.fp8 import (delayed_scale, fp8_mm, k_major_weight, normed_fp8_linear, normed_scale,
                             to_e4m3)
 from model.fast.mlp import ReLU2MLP, transposed_copy
@@ -135,11 +137,27 @@ def add_scale_history(part: nn.Module) -> None:
 
 class FastAttention(Attention):
     """Attention with its q, k, v projection in FP8 both ways with `fp8` (FP8QKV) and its q, k, v preparation on
-    qkv_kernels on CUDA."""
+    qkv_kernels on CUDA. Under an Int8Mask (forward-only passes) `int8` chooses the attention: "off" FlexAttention,
+    "on" INT8/FP8 (model/fast/attention_kernels.py), "measure" FlexAttention's output, with `int8_error` set to
+    the INT8/FP8 output's relative L1 error against it."""
 
     def __init__(self, *args):
         super().__init__(*args)
         add_scale_history(self)
+        self.int8, self.int8_error = "off", None
+
+    def attend_and_project(self, q_BTHd: Tensor, k_BTHd: Tensor, v_BTHd: Tensor, gate_in_BTG: Tensor,
+                           mask: BlockMask | Tensor | Int8Mask) -> Tensor:
+        if not isinstance(mask, Int8Mask) or self.int8 == "off":
+            flex = mask.flex if isinstance(mask, Int8Mask) else mask
+            return super().attend_and_project(q_BTHd, k_BTHd, v_BTHd, gate_in_BTG, flex)
+        y_BTHd = mask.attend(q_BTHd, k_BTHd, v_BTHd, self.scale)
+        if self.int8 == "measure":
+            ref_BTHd = attend(q_BTHd.transpose(1, 2), k_BTHd.transpose(1, 2), v_BTHd.transpose(1, 2), mask.flex,
+                              self.scale).transpose(1, 2)
+            self.int8_error = float((y_BTHd.float() - ref_BTHd.float()).abs().sum() / ref_BTHd.float().abs().sum())
+            y_BTHd = ref_BTHd
+        return self.gate_and_project(y_BTHd, gate_in_BTG)
 
     def init_weights(self) -> None:
         super().init_weights()
@@ -147,7 +165,7 @@ class FastAttention(Attention):
 
     def forward(self, x_BTD: Tensor, x8_BTD: Tensor | None, gate_in_BTG: Tensor, v_first_BTHd: Tensor | None,
                 ve_BTA: Tensor | None, cos_TP: Tensor, sin_TP: Tensor,
-                mask: BlockMask | Tensor) -> tuple[Tensor, Tensor]:
+                mask: BlockMask | Tensor | Int8Mask) -> tuple[Tensor, Tensor]:
         """As Attention's, with gate_in = x's first G channels (MixNorm) and x8 = x's e4m3 copy or None."""
         B, T, _ = x_BTD.shape
         H, d = self.num_heads, self.head_dim

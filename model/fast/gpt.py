@@ -1,6 +1,7 @@
 """FastGPT: model/gpt.py's GPT (same parameters and math) on model/fast's fused paths, compiled region by region:
 FastBlocks and FastHead, embedding gradients straight into their tables (TableRows), x0's readers' gradients summed
-in one pass (FanOut), U-net skips as one kernel each way (SkipAdd), and with `fp8` FP8 products.
+in one pass (FanOut), U-net skips as one kernel each way (SkipAdd), with `fp8` FP8 products, and in forward-only
+passes INT8/FP8 attention in the layers `use_int8_attention` names.
 
 Shape legend: as model/gpt.py.
 """
@@ -8,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.fast.blocks import FastBlock, fp8_parts
+from model.fast.attention_kernels import Int8Mask
+from model.fast.blocks import FastAttention, FastBlock, fp8_parts
 from model.fast.head import FastHead
 from model.fast.routing import FanOut, SkipAdd, TableRows, add_all, sort_ids
 from model.gpt import GPT, norm
@@ -54,9 +56,10 @@ class FastGPT(GPT):
         takes_options = kwargs.get("backend", "inductor") == "inductor" and "mode" not in kwargs
         if takes_options:
             kwargs = kwargs | {"options": REPEATABLE_COMPILE | kwargs.get("options", {})}
-        # Block.forward has a graph per presence pattern of its optional inputs: two per layer suffice
+        # Block.forward has a graph per presence pattern of its optional inputs (two per layer), and forward-only
+        # passes with INT8/FP8 attention one per choice of the layer's attention (two more)
         limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, 2 * self.config.num_layers)
+        torch._dynamo.config.recompile_limit = max(limit, 4 * self.config.num_layers)
         self.embed_inputs = torch.compile(self.embed_inputs, **kwargs)
         # a persistent reduction over the masks' rows compiles for minutes
         mask_kwargs = kwargs
@@ -93,11 +96,43 @@ class FastGPT(GPT):
 
     skip_add = staticmethod(SkipAdd.apply)
 
+    def attentions(self) -> list[FastAttention]:
+        return [block.attn for block in self.blocks if block.attn is not None]
+
+    def make_mask(self, doc_BT: Tensor, window: Tensor):
+        mask = super().make_mask(doc_BT, window)
+        if torch.is_grad_enabled() or all(attn.int8 == "off" for attn in self.attentions()):
+            return mask
+        return Int8Mask.of(mask, doc_BT, window, self.config.block_size)
+
+    @torch.no_grad()
+    def int8_attention_errors(self, inputs_BT: Tensor, window: Tensor) -> list[float]:
+        """Each attention layer's INT8/FP8 output against its FlexAttention one on this batch, as the relative L1 error,
+        every layer given the FlexAttention stream. Runs eagerly, and eager FlexAttention holds the whole score
+        matrix: a few thousand tokens make a batch."""
+        attentions = self.attentions()
+        for attn in attentions:
+            attn.int8 = "measure"
+        try:
+            with torch.compiler.set_stance("force_eager"):
+                self.hidden_states(inputs_BT, window)
+        finally:
+            for attn in attentions:
+                attn.int8 = "off"
+        return [attn.int8_error for attn in attentions]
+
+    def use_int8_attention(self, layers: list[bool]) -> None:
+        """INT8/FP8 attention in forward-only passes for the attention layers marked True, in order."""
+        for attn, on in zip(self.attentions(), layers, strict=True):
+            attn.int8 = "on" if on else "off"
+
     def scored_loss_sum(self, inputs_BT: Tensor, targets_BT: Tensor, window: Tensor) -> Tensor:
-        """GPT.scored_loss_sum; compiled, the blocks run with autograd on, reusing their training graphs."""
+        """GPT.scored_loss_sum; compiled, the blocks run with autograd on, reusing their training graphs, unless
+        INT8/FP8 attention is on."""
         if not self.compiled:
             return super().scored_loss_sum(inputs_BT, targets_BT, window)
-        with torch.enable_grad():
+        # INT8/FP8 attention is for forward-only passes: graphs of their own
+        with torch.set_grad_enabled(all(attn.int8 == "off" for attn in self.attentions())):
             hidden_BTD = self.hidden_states(inputs_BT, window)
         with torch.no_grad():
             return self.head(hidden_BTD, targets_BT, "sum")
