@@ -111,8 +111,9 @@ def _int8_attention_kernel(q_ptr, q_scale_ptr, q_mean_ptr, k_ptr, k_scale_ptr, v
     q_pos = m * S + rows
     q = tl.load(q_ptr + ((row0 + q_pos)[:, None] * H + h) * D + cols[None, :])
     block_mh = (b.to(tl.int64) * N + m) * H + h
-    q_scale = tl.load(q_scale_ptr + block_mh) * log2_scale
-    q_mean = tl.load(q_mean_ptr + block_mh * D + cols) * log2_scale
+    # in fp32: a compiled launch may pass log2_scale as fp64
+    q_scale = (tl.load(q_scale_ptr + block_mh) * log2_scale).to(tl.float32)
+    q_mean = (tl.load(q_mean_ptr + block_mh * D + cols) * log2_scale).to(tl.float32)
     doc_q = tl.load(doc_ptr + row0 + q_pos)
     lo = tl.maximum(m - tl.load(blocks_ptr).to(tl.int32) + 1, tl.load(first_ptr + b * N + m))
     row_max = tl.full([S], -1.0e30, tl.float32)  # finite: a row may see no key of its first blocks
