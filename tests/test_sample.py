@@ -120,8 +120,8 @@ def test_cli_prints_the_prompt_and_its_continuation(checkpoint, capsys):
 def test_the_cache_matches_the_full_model_as_sample_loads_it(checkpoint, device, capsys):
     """On each device, as sample.py loads the model there (a FastGPT on CUDA): the cache's next-token logits after the
     prompt and after each of 6 more tokens equal the full model's under the dense-mask path; and the command runs
-    there. CPU math is fp32; on CUDA it is bf16, where the two differ by rounding only (logits up to 15), so 0.15
-    still catches any wrong key, document or window."""
+    there. CPU math is fp32; on CUDA it is bf16, where the two differ by rounding only (logits up to 15, differences
+    of 0.03 typically and 0.18 at most), so 0.3 still catches any wrong key, document or window."""
     model, config = load_model(str(checkpoint), torch.device(device))
     model.attention_backend = "sdpa"
     tokens = torch.tensor([[BOS_ID] + get_encoding().encode_ordinary(" ".join(["fox"] * 40) + PROMPT)], device=device)
@@ -132,7 +132,7 @@ def test_the_cache_matches_the_full_model_as_sample_loads_it(checkpoint, device,
         cached = model.head.logits(torch.cat(hidden, dim=1))
         full = model.logits(tokens, torch.tensor(window, device=device))
     assert full.abs().max() > 5  # the random head's logits are far from 0
-    assert (cached - full).abs().max() < (1e-4 if device == "cpu" else 0.15)
+    assert (cached - full).abs().max() < (1e-4 if device == "cpu" else 0.3)
 
     assert sample.main(["--checkpoint", str(checkpoint), "--prompt", PROMPT, "--max_new_tokens", "6", "--device",
                         device, "--temperature", "0"]) == 0
