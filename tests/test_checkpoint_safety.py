@@ -27,9 +27,18 @@ TINY = ["--preset=smoke", "--seq_len=128", "--batch_size=1", "--device_batch_siz
         "--num_iterations=1", "--val_tokens=256", "--warmup_steps=0", "--device=cpu", "--checkpoint_every=1"]
 
 
-def run(*cmd) -> subprocess.CompletedProcess:
+def start(*cmd) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SPEEDRUN_TRACEBACK")}
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run(*cmd) -> subprocess.CompletedProcess:
+    return finish(start(*cmd))
 
 
 @pytest.fixture(scope="module")
@@ -111,18 +120,35 @@ ENTRY_POINTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def refusals(real_checkpoint, tmp_path_factory) -> dict:
+    """Each entry point started on its own crafted checkpoint, all at once (each process mostly imports torch);
+    {entry: (its folder, the crafted checkpoint, the finished process)}."""
+    started = {}
+    for entry, command in ENTRY_POINTS.items():
+        folder = tmp_path_factory.mktemp("entry")
+        evil = crafted(real_checkpoint, folder / "evil", ShellCommand(folder / "MARKER"))
+        # the folder, as a user passes a run folder: resolved to its newest checkpoint, which is the crafted one
+        started[entry] = folder, evil, start(sys.executable, *command(evil.parent, folder))
+    try:
+        return {entry: (folder, evil, finish(proc)) for entry, (folder, evil, proc) in started.items()}
+    finally:
+        for _, _, proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
-def test_every_entry_point_refuses_a_checkpoint_that_would_run_code(entry, real_checkpoint, tmp_path):
-    marker = tmp_path / "MARKER"
-    evil = crafted(real_checkpoint, tmp_path / "evil", ShellCommand(marker))
-    # the folder, as a user passes a run folder: resolved to its newest checkpoint, which is the crafted one
-    result = run(sys.executable, *ENTRY_POINTS[entry](evil.parent, tmp_path))
+def test_every_entry_point_refuses_a_checkpoint_that_would_run_code(entry, refusals):
+    folder, evil, result = refusals[entry]
+    marker = folder / "MARKER"
     flag = "--resume" if "resume" in entry else "--checkpoint"
     one_line_error(result, f"{flag} {evil}: refused: loading it would run posix.system, and a checkpoint holds only "
                            f"tensors and plain values; if you wrote this file and trust it, convert it once with "
                            f"`python -m runtime.checkpoint --convert {evil}` (which runs it)")
     assert not marker.exists()
-    assert not (tmp_path / "logs").exists()  # a refused resume makes no run folder
+    assert not (folder / "logs").exists()  # a refused resume makes no run folder
 
 
 @pytest.mark.parametrize("payload, named", [(ShellCommand, "posix.system"), (PythonCode, "exec"),

@@ -187,15 +187,26 @@ checkpoint.save_checkpoint(checkpoint.checkpoint_path(sys.argv[1], 3), {"weights
 """
 
 
-def half_write(folder: Path, then: str) -> tuple[subprocess.Popen, Path]:
-    folder.mkdir(parents=True)
-    (folder / "ckpt_000002.pt").write_bytes(b"a complete checkpoint")
-    writer = subprocess.Popen([sys.executable, "-c", HALF_WRITER, str(folder), then], cwd=ROOT, env=env(),
-                              stdout=subprocess.PIPE, text=True)
-    assert writer.stdout.readline() == "half written\n"
-    if then == "die":
-        assert writer.wait(TIMEOUT) == -signal.SIGKILL
-    return writer, folder / f".ckpt_000003.pt.tmp{writer.pid}"
+def half_writes(*jobs: tuple[Path, str]) -> list[tuple[subprocess.Popen, Path]]:
+    """For each (folder, then): a complete checkpoint in the folder, and HALF_WRITER's half-written next one; the
+    writers start together (each mostly imports torch). [(writer, its temporary file)], the "die" writers dead."""
+    writers = []
+    for folder, then in jobs:
+        folder.mkdir(parents=True)
+        (folder / "ckpt_000002.pt").write_bytes(b"a complete checkpoint")
+        writers.append(subprocess.Popen([sys.executable, "-c", HALF_WRITER, str(folder), then], cwd=ROOT, env=env(),
+                                        stdout=subprocess.PIPE, text=True))
+    try:
+        for writer, (folder, then) in zip(writers, jobs):
+            assert writer.stdout.readline() == "half written\n"
+            if then == "die":
+                assert writer.wait(TIMEOUT) == -signal.SIGKILL
+    except BaseException:
+        for writer in writers:
+            writer.kill()
+            writer.wait(TIMEOUT)
+        raise
+    return [(writer, folder / f".ckpt_000003.pt.tmp{writer.pid}") for writer, (folder, _) in zip(writers, jobs)]
 
 
 def age(path: Path) -> None:
@@ -206,9 +217,9 @@ def age(path: Path) -> None:
 
 def test_only_the_half_written_checkpoints_of_dead_writers_are_removed(tmp_path):
     logs = tmp_path / "logs"
-    killed, killed_tmp = half_write(logs / "run_a", "die")
-    waiting, live_tmp = half_write(logs / "run_b", "wait")
-    _, resumed_tmp = half_write(tmp_path / "elsewhere" / "run_c", "die")  # the folder of a resumed checkpoint
+    (_, killed_tmp), (waiting, live_tmp), (_, resumed_tmp) = half_writes(
+        (logs / "run_a", "die"), (logs / "run_b", "wait"),
+        (tmp_path / "elsewhere" / "run_c", "die"))  # the folder of a resumed checkpoint
     try:
         young = logs / "run_a" / ".ckpt_000009.pt.tmp99999"  # a writer may be creating it, not yet locked
         young.write_bytes(b"\0" * 1000)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-# 4 steps of the smoke model, validated at steps 0, 2 and 4; 2 sequences per step, 1 per micro-step
-TINY = ["--preset=smoke", "--num_iterations=4", "--val_loss_every=2", "--val_tokens=1024", "--warmup_steps=0",
+# 4 steps of the smoke model, validated at steps 0, 2 and 4 on 2 sequences; 2 sequences per step, 1 per micro-step
+TINY = ["--preset=smoke", "--num_iterations=4", "--val_loss_every=2", "--val_tokens=256", "--warmup_steps=0",
         "--batch_size=2", "--device_batch_size=1", "--device=cpu"]
 TIMEOUT_S = 120  # a hung rendezvous fails the test instead of the CI job
 

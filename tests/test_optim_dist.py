@@ -72,23 +72,35 @@ def train(rank, world_size, normuon_beta2):
             opt.state_dict()["groups"]["hidden"], matrices)
 
 
-def rank_main(rank, world_size, store, out_dir, normuon_beta2):
+BETA2S = [0.0, 0.95]  # plain Muon, NorMuon
+
+
+def rank_main(rank, world_size, store, out_dir):
+    """One rank's training for each of BETA2S in turn, in one process group."""
     torch.set_num_threads(1)  # two ranks share the two CPU cores of CI
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
-        torch.save(train(rank, world_size, normuon_beta2), f"{out_dir}/rank{rank}.pt")
+        for normuon_beta2 in BETA2S:
+            torch.save(train(rank, world_size, normuon_beta2), f"{out_dir}/rank{rank}_beta2_{normuon_beta2}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("normuon_beta2", [0.0, 0.95])
-def test_two_gloo_ranks_match_one_process_on_the_global_batch(tmp_path, normuon_beta2):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The folder of both ranks' results for each of BETA2S: one spawn of two processes (each imports torch)."""
+    out_dir = tmp_path_factory.mktemp("ranks")
     # spawn: a fork of a process whose autograd engine has started its threads (any earlier test's backward) fails
-    mp.start_processes(rank_main, args=(2, str(tmp_path / "store"), str(tmp_path), normuon_beta2), nprocs=2,
-                       join=True, start_method="spawn")
+    mp.start_processes(rank_main, args=(2, str(out_dir / "store"), str(out_dir)), nprocs=2, join=True,
+                       start_method="spawn")
+    return out_dir
+
+
+@pytest.mark.parametrize("normuon_beta2", BETA2S)
+def test_two_gloo_ranks_match_one_process_on_the_global_batch(two_ranks, normuon_beta2):
     reference, reference_grads, reference_state, matrices = train(rank=0, world_size=1, normuon_beta2=normuon_beta2)
-    rank0, grads0, state0, matrices0 = torch.load(tmp_path / "rank0.pt")
-    rank1, _, state1, matrices1 = torch.load(tmp_path / "rank1.pt")
+    rank0, grads0, state0, matrices0 = torch.load(two_ranks / f"rank0_beta2_{normuon_beta2}.pt")
+    rank1, _, state1, matrices1 = torch.load(two_ranks / f"rank1_beta2_{normuon_beta2}.pt")
     # the work is split: of the buckets of 3, 1 and 1 matrices each rank orthogonalises 2, 1 and 1 (rank-padded)
     assert matrices == [3, 1, 1] * STEPS and matrices0 == matrices1 == [2, 1, 1] * STEPS
     assert set(state0) == ({"momentum", "second_moment"} if normuon_beta2 else {"momentum"})

@@ -3,14 +3,16 @@ exit status 2 (a user error) or 3 (the run diverged), and leaves the data and th
 
 Each case runs a real entry point in a subprocess (train_gpt2.py, run.sh, `python -m data.prepare`,
 data/cached_fineweb10B.py) on a small synthetic corpus. A train_gpt2 process spends ~3 s importing torch on the
-2-core CI machine, so the cases that fail before training start together, three at a time, and the runs that do
-train use the smallest model the smoke preset allows. What a CPU cannot produce (CUDA out-of-memory) runs
-train_gpt2.main() in this process with the failing call replaced; tests/test_disk_full.py fills a real disk.
+2-core CI machine, so the train_gpt2 cases that fail before training are processes forked from one that imported it
+(FORKED_RUNS), started together with the rest, three at a time, and the runs that do train use the smallest model the
+smoke preset allows. What a CPU cannot produce (CUDA out-of-memory) runs train_gpt2.main() in this process with the
+failing call replaced; tests/test_disk_full.py fills a real disk.
 """
 import collections
 import dataclasses
 import errno
 import hashlib
+import json
 import math
 import os
 import re
@@ -222,6 +224,58 @@ sys.exit(exit_on_user_error(train_gpt2.main, sys.argv[3:]))
 """
 
 
+# `python train_gpt2.py ARGS` for each ARGS of a JSON file {name: ARGS} (argv[1]), at the cost of one torch import:
+# this process imports train_gpt2, then forks a process per name, one at a time, which runs the script's last line
+# (sys.exit(exit_on_user_error(main))) with sys.argv as the script has it, its stdout and stderr (file descriptors 1
+# and 2) in the files name.stdout and name.stderr beside the JSON, and ends through that SystemExit as the script
+# does. The exit status of each, as subprocess gives it, goes into statuses.json there.
+FORKED_RUNS = """
+import gc
+import json
+import os
+import sys
+
+import train_gpt2
+from runtime.errors import exit_on_user_error
+
+listing = sys.argv[1]
+folder = os.path.dirname(listing)
+with open(listing) as f:
+    runs = json.load(f)
+gc.freeze()  # the children's garbage collections skip the imported objects: their exits copy fewer memory pages
+statuses = {}
+for name, args in runs.items():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        for fd, stream in ((1, "stdout"), (2, "stderr")):
+            file = os.open(os.path.join(folder, f"{name}.{stream}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(file, fd)
+            os.close(file)
+        sys.argv = ["train_gpt2.py", *args]
+        sys.exit(exit_on_user_error(train_gpt2.main))
+    statuses[name] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+with open(os.path.join(folder, "statuses.json"), "w") as f:
+    json.dump(statuses, f)
+"""
+
+
+def run_forked(folder: Path, runs: dict, **env) -> dict[str, subprocess.CompletedProcess]:
+    """`python train_gpt2.py ARGS` for each {name: ARGS} of `runs`, through FORKED_RUNS with its files in `folder`;
+    {name: its result}, as run() gives it."""
+    folder.mkdir()
+    keys = {name: f"run{i}" for i, name in enumerate(runs)}
+    (folder / "runs.json").write_text(json.dumps({keys[name]: args for name, args in runs.items()}))
+    driver = run([sys.executable, "-c", FORKED_RUNS, str(folder / "runs.json")], **env)
+    assert driver.returncode == 0, output(driver)
+    statuses = json.loads((folder / "statuses.json").read_text())
+    return {name: subprocess.CompletedProcess(["train_gpt2.py", *runs[name]], statuses[key],
+                                              (folder / f"{key}.stdout").read_text(),
+                                              (folder / f"{key}.stderr").read_text())
+            for name, key in keys.items()}
+
+
 class Jobs:
     """Subprocesses started together, three at a time (2 cores, mostly importing torch); awaited by name."""
 
@@ -229,29 +283,42 @@ class Jobs:
         self.logs, self.corpus_before = logs, corpus_before  # a log folder per job; the corpus as it was
         self.pool = ThreadPoolExecutor(max_workers=3)
         self.futures = {}
+        self.forked = {}  # a name of start_forked's: its job
 
     def start(self, name: str, cmd: list[str], **env) -> None:
         self.futures[name] = self.pool.submit(run, cmd, OMP_NUM_THREADS="1", **env)
 
+    def start_forked(self, job: str, runs: dict[str, list[str]]) -> None:
+        """run_forked(runs) as one job; result(name) gives each run's result."""
+        self.futures[job] = self.pool.submit(run_forked, self.logs / job, runs, OMP_NUM_THREADS="1")
+        self.forked.update({name: job for name in runs})
+
     def result(self, name: str) -> subprocess.CompletedProcess:
+        if name in self.forked:
+            return self.futures[self.forked[name]].result()[name]
         return self.futures[name].result()
 
 
 @pytest.fixture(scope="session")
 def jobs(corpus, tmp_path_factory):
-    """The base run, the two diverging runs and every EARLY case, launched at once (longest first)."""
+    """The base run, the two diverging runs and every EARLY case, launched at once (longest first): the
+    train_gpt2.py cases as one job of forked processes."""
     jobs = Jobs(tmp_path_factory.mktemp("logs"), snapshot(corpus.root))
+    early = {}
+    for i, (case, flags, _) in enumerate(EARLY):
+        if case in NEEDS_NO_GPU and torch.cuda.is_available():
+            continue
+        flags = [f.format(bad=corpus.bad, root=corpus.root) for f in flags]
+        early[case] = train_args(corpus, jobs.logs / f"early{i}", *flags)
+    jobs.start_forked("forked", {case: args for case, args in early.items() if "run.sh" not in case})
     jobs.start("base", train_cmd(corpus, jobs.logs / "base", *BASE))
     for name, after_update, factor in (("15-loss", 2, 1e30), ("15-weights", 1, math.inf)):
         cmd = [sys.executable, "-c", POISONED_UPDATE, str(after_update), str(factor),
                *train_args(corpus, jobs.logs / name, "--num_iterations=5", "--checkpoint_every=1", "--log_every=1")]
         jobs.start(name, cmd, TORCHELASTIC_ERROR_FILE=str(jobs.logs / f"{name}.json"))
-    for i, (case, flags, _) in enumerate(EARLY):
-        if case in NEEDS_NO_GPU and torch.cuda.is_available():
-            continue
-        flags = [f.format(bad=corpus.bad, root=corpus.root) for f in flags]
-        args = train_args(corpus, jobs.logs / f"early{i}", *flags)
-        jobs.start(case, ["bash", "run.sh", *args] if "run.sh" in case else [sys.executable, "train_gpt2.py", *args])
+    for case, args in early.items():
+        if "run.sh" in case:
+            jobs.start(case, ["bash", "run.sh", *args])
     yield jobs
     jobs.pool.shutdown(wait=True)
 
@@ -529,9 +596,9 @@ def test_17_resume_of_a_damaged_checkpoint(base_run, corpus, tmp_path):
     # torch.load alone takes the flipped bit for a weight: only the CRC check can refuse it
     loaded, intact = (torch.load(p, weights_only=False)["model"] for p in (flipped, base_run / "ckpt_000002.pt"))
     assert sum(not torch.equal(loaded[k], intact[k]) for k in intact) == 1
-    with ThreadPoolExecutor(3) as pool:
-        file_result, folder_result, flipped_result = pool.map(
-            run, [train_cmd(corpus, tmp_path / "logs", *BASE, f"--resume={p}") for p in (truncated, folder, flipped)])
+    results = run_forked(tmp_path / "forked", {p: train_args(corpus, tmp_path / "logs", *BASE, f"--resume={p}")
+                                               for p in (truncated, folder, flipped)})
+    file_result, folder_result, flipped_result = (results[p] for p in (truncated, folder, flipped))
     assert_user_error(file_result, 2, f"--resume {truncated}: the checkpoint is truncated or corrupt",
                       f"resume from an earlier ckpt_<step>.pt in {truncated.parent}")
     assert_user_error(folder_result, 2, f"--resume {newest}: the checkpoint is truncated or corrupt",

@@ -11,9 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_reliability import run_forked
+
 REPO = Path(__file__).resolve().parent.parent
 # A few steps of the smoke model on the shipped sample: seconds per run on 2 cores.
 TINY = ["--preset=smoke", "--val_tokens=1024", "--warmup_steps=0", "--log_every=1"]
+# The same with one validation batch (2 sequences of 128 scored tokens), for the tests whose runs compare bit for bit.
+SHORT_VAL = [*TINY, "--val_tokens=256"]
 
 
 def train(log_dir: Path, *flags: str, nproc: int = 1, timeout: int = 120) -> tuple[Path, list[dict]]:
@@ -26,12 +30,52 @@ def train(log_dir: Path, *flags: str, nproc: int = 1, timeout: int = 120) -> tup
     env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return finished_run(log_dir)
+
+
+def train_together(*runs: tuple[Path, list[str]]) -> list[tuple[Path, list[dict]]]:
+    """train(log_dir, *flags) for each (log_dir, flags) of `runs`, one after another, as processes forked from one
+    that imported train_gpt2 (tests/test_reliability.py's run_forked): one torch import for them all."""
+    forked = run_forked(runs[0][0].parent / "forked", {i: [*flags, f"--log_dir={log_dir}"]
+                                                         for i, (log_dir, flags) in enumerate(runs)},
+                        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    for result in forked.values():
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [finished_run(log_dir) for log_dir, _ in runs]
+
+
+def finished_run(log_dir: Path) -> tuple[Path, list[dict]]:
+    """The run folder in `log_dir` and its metrics."""
     (run_dir,) = [p for p in log_dir.iterdir() if p.is_dir()]
     return run_dir, [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def losses(metrics: list[dict], kind: str) -> dict[int, float]:
     return {m["step"]: m[kind] for m in metrics if kind in m}
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory) -> list[tuple[Path, list[dict]]]:
+    """The runs that several tests read, trained together: three_steps's, then five_steps's."""
+    folder = tmp_path_factory.mktemp("shared_runs")
+    return train_together((folder / "three_steps", [*SHORT_VAL, "--num_iterations=3", "--val_loss_every=0",
+                                                    "--profile_step=2"]),
+                          (folder / "five_steps", [*SHORT_VAL, "--num_iterations=5", "--val_loss_every=2",
+                                                   "--checkpoint_every=3"]))
+
+
+@pytest.fixture(scope="module")
+def three_steps(shared_runs) -> tuple[Path, list[dict]]:
+    """3 steps without a warm-up, step 2 traced by --profile_step (a trace changes no math): the run that the
+    warm-up and momentum tests compare with, and whose trace the profile test reads."""
+    return shared_runs[0]
+
+
+@pytest.fixture(scope="module")
+def five_steps(shared_runs) -> tuple[Path, list[dict]]:
+    """5 steps, validated every 2, checkpointed every 3 (and at the end): the run whose log lines the lagged-lines
+    test reads, and which the resume test resumes from its step-3 checkpoint."""
+    return shared_runs[1]
 
 
 def test_smoke_run_learns_within_a_minute(tmp_path):
@@ -75,15 +119,17 @@ def test_golden_first_losses(tmp_path, optimizer):
     assert any(got == pytest.approx(table, rel=1e-5) for table in GOLDEN[optimizer]), got
 
 
-def test_momentum_warmup_over_every_step_is_the_run_length(tmp_path):
+def test_momentum_warmup_over_every_step_is_the_run_length(tmp_path, three_steps):
     """--momentum_warmup_steps=-1 (--preset short's) trains exactly as the run's own length written out."""
-    flags = [*TINY, "--num_iterations=5", "--val_loss_every=0"]
-    _, every = train(tmp_path / "every", *flags, "--momentum_warmup_steps=-1")
-    _, five = train(tmp_path / "five", *flags, "--momentum_warmup_steps=5")
-    assert losses(every, "train_loss") == losses(five, "train_loss")
-    # the warm-up reaches the losses: the golden runs (the same flags, the default 300-step warm-up) differ
-    assert all(losses(every, "train_loss")[5] != pytest.approx(table[4], rel=1e-6)
-               for table in GOLDEN["--normuon_beta2=0.95"])
+    flags = [*SHORT_VAL, "--num_iterations=3", "--val_loss_every=0"]
+    (_, every), (_, three) = train_together((tmp_path / "every", [*flags, "--momentum_warmup_steps=-1"]),
+                                            (tmp_path / "three", [*flags, "--momentum_warmup_steps=3"]))
+    for kind in ("train_loss", "val_loss"):
+        assert losses(every, kind) == losses(three, kind)
+    # the warm-up reaches the losses: the same run with the default 300-step warm-up ends on other losses
+    _, default = three_steps
+    assert losses(every, "train_loss")[3] != losses(default, "train_loss")[3]
+    assert losses(every, "val_loss")[3] != losses(default, "val_loss")[3]
 
 
 def test_two_processes_equal_one(tmp_path):
@@ -98,17 +144,21 @@ def test_two_processes_equal_one(tmp_path):
     assert v1[4] < v1[0] - 0.3  # the runs really trained (measured: 10.826 -> 10.362)
 
 
-def test_resume_is_bitwise_identical(tmp_path):
-    """6 steps straight vs 3 steps + resume: the same losses printed and the same final state."""
-    flags = [*TINY, "--num_iterations=6", "--val_loss_every=3", "--checkpoint_every=3"]
-    straight_dir, straight = train(tmp_path / "straight", *flags)
-    resumed_dir, resumed = train(tmp_path / "resumed", *flags, f"--resume={straight_dir / 'ckpt_000003.pt'}")
+def test_resume_is_bitwise_identical(tmp_path, five_steps):
+    """5 steps straight vs 3 steps + resume: the same losses printed and the same final state."""
+    straight_dir, straight = five_steps
+    flags = [*SHORT_VAL, "--num_iterations=5", "--val_loss_every=2", "--checkpoint_every=3"]
+    # resumed as it was, and with a smaller device batch (the advice for a memory error), which regroups the same
+    # sequences into more micro-steps: it may resume the run, which then differs only in the summation order
+    (resumed_dir, resumed), (regrouped_dir, regrouped) = train_together(
+        (tmp_path / "resumed", [*flags, f"--resume={straight_dir / 'ckpt_000003.pt'}"]),
+        (tmp_path / "regrouped", [*flags, "--device_batch_size=1", f"--resume={straight_dir / 'ckpt_000003.pt'}"]))
 
     for kind in ("train_loss", "val_loss"):
         a, b = losses(straight, kind), losses(resumed, kind)
-        assert {s: a[s] for s in b} == b and min(b) >= 3 and max(b) == 6  # exactly equal floats
-    end_a = torch.load(straight_dir / "ckpt_000006.pt", weights_only=False)
-    end_b = torch.load(resumed_dir / "ckpt_000006.pt", weights_only=False)
+        assert {s: a[s] for s in b} == b and min(b) >= 3 and max(b) == 5  # exactly equal floats
+    end_a = torch.load(straight_dir / "ckpt_000005.pt", weights_only=False)
+    end_b = torch.load(resumed_dir / "ckpt_000005.pt", weights_only=False)
     for name, tensor in end_a["model"].items():
         assert torch.equal(tensor, end_b["model"][name]), name
     moments_a, moments_b = end_a["optimizer"]["groups"], end_b["optimizer"]["groups"]
@@ -117,15 +167,11 @@ def test_resume_is_bitwise_identical(tmp_path):
             assert all(torch.equal(x, y) for x, y in zip(tensors, moments_b[group][key])), (group, key)
     assert end_a["loader"] == end_b["loader"]
 
-    # A smaller device batch (the advice for a memory error) regroups the same sequences into more micro-steps:
-    # it may resume the run, which then differs only in the summation order.
-    regrouped_dir, regrouped = train(tmp_path / "regrouped", *flags, "--device_batch_size=1",
-                                     f"--resume={straight_dir / 'ckpt_000003.pt'}")
-    for kind in ("train_loss", "val_loss"):
+    for kind in ("train_loss", "val_loss"):  # the regrouped run
         a, c = losses(straight, kind), losses(regrouped, kind)
         assert sorted(c) == sorted(losses(resumed, kind))
         assert [c[s] for s in sorted(c)] == pytest.approx([a[s] for s in sorted(c)], rel=1e-4)
-    assert torch.load(regrouped_dir / "ckpt_000006.pt", weights_only=False)["loader"] == end_a["loader"]
+    assert torch.load(regrouped_dir / "ckpt_000005.pt", weights_only=False)["loader"] == end_a["loader"]
 
 
 @pytest.mark.gpu
@@ -143,11 +189,11 @@ def test_resume_on_the_gpu_continues_the_run(tmp_path):
         assert [b[s] for s in sorted(b)] == pytest.approx([a[s] for s in sorted(b)], rel=1e-3)
 
 
-def test_lagged_log_lines_keep_their_order(tmp_path):
+def test_lagged_log_lines_keep_their_order(five_steps):
     """A step's train-loss line is read after the next step is queued; a step that validates or saves reads its own
     at once, so each line still follows its step, with the train time rising, and a validation line follows the
     train line of its step."""
-    run_dir, metrics = train(tmp_path, *TINY, "--num_iterations=5", "--val_loss_every=2", "--checkpoint_every=3")
+    run_dir, metrics = five_steps
     kinds = [(m["step"], "val" if "val_loss" in m else "train") for m in metrics if "train_time_ms" in m]
     assert kinds == [(0, "val"), (1, "train"), (2, "train"), (2, "val"), (3, "train"), (4, "train"), (4, "val"),
                      (5, "train"), (5, "val")]
@@ -191,21 +237,22 @@ def test_loss_record_queues_without_waiting_for_the_gpu():
     assert (loss_read, stop) == (3.0, False) and ms >= 450
 
 
-def test_warmup_then_restore_changes_nothing(tmp_path):
+def test_warmup_then_restore_changes_nothing(tmp_path, three_steps):
     """Warm-up steps train the model and advance the loader; restoring must undo every bit of it."""
-    flags = [*TINY, "--num_iterations=3", "--val_loss_every=0"]
-    _, cold = train(tmp_path / "cold", *flags)
-    _, warm = train(tmp_path / "warm", *flags, "--warmup_steps=2")  # the later flag wins
+    flags = [*SHORT_VAL, "--num_iterations=3", "--val_loss_every=0"]
+    _, cold = three_steps
+    # the later flag wins; a warm-up longer than the run repeats the run's last schedule (it once failed on a step
+    # beyond the run)
+    (_, warm), (_, long_warm) = train_together((tmp_path / "warm", [*flags, "--warmup_steps=2"]),
+                                               (tmp_path / "long", [*flags, "--warmup_steps=5"]))
     assert losses(cold, "train_loss") == losses(warm, "train_loss")
     assert losses(cold, "val_loss") == losses(warm, "val_loss")
-    # a warm-up longer than the run repeats the run's last schedule (it once failed on a step beyond the run)
-    _, long_warm = train(tmp_path / "long", *flags, "--warmup_steps=5")
     assert losses(cold, "train_loss") == losses(long_warm, "train_loss")
 
 
-def test_profile_step_writes_table_and_trace(tmp_path):
+def test_profile_step_writes_table_and_trace(three_steps):
     """--profile_step traces one step: a kernel table and a Chrome trace land in the run folder."""
-    run_dir, _ = train(tmp_path, *TINY, "--num_iterations=3", "--val_loss_every=0", "--profile_step=2")
+    run_dir, _ = three_steps
     assert "Self CPU" in (run_dir / "profile_step2.txt").read_text()
     assert json.loads((run_dir / "profile_step2.json").read_text())["traceEvents"]
 
