@@ -21,7 +21,7 @@ from evals.validation import choose_int8_layers, validation_loss
 from optim.optimizer import MuonAdam
 from optim.schedule import attention_window, lr_multiplier, muon_momentum
 from runtime import checkpoint, dist
-from runtime.backend import build_model
+from runtime.backend import build_model, check_int8_attention
 from runtime.bytecode import bytecode_note
 from runtime.config import BLOCK_SIZE, Derived, TrainConfig, derive, group_learning_rates, oom_advice, run_config
 from runtime.control import RunControl, StopRequest, TrainClock
@@ -105,6 +105,8 @@ def train(cfg: TrainConfig, rt: dist.Runtime, resume_changes: list[str], stop: S
         check_cpu_memory(derived.model, derived.device_batch_size, cfg.seq_len, cfg.batch_size, rt.world_size)
     if cfg.profile_step and not cfg.profile_cpu and not cuda:
         raise UserError("--profile_cpu=0 traces the GPU's work alone, and this run has no GPU: drop it")
+    if cfg.attention_forward == "int8":
+        check_int8_attention(device, cfg.kernels, derived.model.head_dim)
     if cfg.hellaswag:  # its data file now, not after training
         from evals.hellaswag import check_available
         check_available(cfg.hellaswag_file or None)

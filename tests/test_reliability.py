@@ -191,9 +191,13 @@ EARLY = [
      ["unknown flag --num_iteration; did you mean --num_iterations?"]),
     ("26 --profile_cpu=0 without a GPU", ["--profile_step=1", "--profile_cpu=0"],
      ["--profile_cpu=0 traces the GPU's work alone, and this run has no GPU: drop it"]),
+    ("27 --attention_forward=int8 without a GPU", ["--attention_forward=int8"],
+     ["--attention_forward=int8 runs in the fused kernels on CUDA GPUs of compute capability 8.9 or newer",
+      "use --attention_forward=bf16"]),
 ]
 EARLY_IDS = [case for case, _, _ in EARLY]
-NEEDS_NO_GPU = ({"14 --device cuda without a GPU", "26 --profile_cpu=0 without a GPU"}
+NEEDS_NO_GPU = ({"14 --device cuda without a GPU", "26 --profile_cpu=0 without a GPU",
+                 "27 --attention_forward=int8 without a GPU"}
                 | {case for case in EARLY_IDS if "run.sh" in case})
 
 
