@@ -220,10 +220,13 @@ def cosines(a: dict, b: dict) -> dict[str, float]:
 @pytest.mark.gpu
 def test_the_accelerated_model_is_the_model_at_the_record_shape():
     """From the same weights, on a record-shaped batch (one 49,152-token sequence of text), FastGPT compiled with its
-    kernels and FP8 (its gradient scales set by one backward) against the plain GPT in fp32: the losses agree within
-    0.5% (relative) and every parameter's gradient has cosine similarity >= 0.99 with the plain model's; and again
-    after 20 identical optimizer steps (the plain model's updates, given to both, so both stand at the same weights;
-    FastGPT's FP8 scales follow its own gradients)."""
+    kernels and FP8 (its gradient scales set by one backward) against the plain GPT in fp32, at step 0 and after 20
+    identical optimizer steps (the plain model's updates, given to both, so both stand at the same weights; FastGPT's
+    FP8 scales follow its own gradients): the losses agree within 0.5% (relative); every matrix's gradient has cosine
+    similarity >= 0.99 with the plain model's; every scalar parameter's gradient error is under 0.14 of the plain
+    gradient's RMS over the steps, the scale Adam divides it by (0.14: the error a cosine of 0.99 allows). A
+    scalar's gradient is a sum over every token that passes near zero as it settles, so its cosine measures noise
+    there, and plain bf16 math falls below 0.99 on some steps."""
     from optim.optimizer import MuonAdam
     from runtime.config import TrainConfig, group_learning_rates
 
@@ -253,22 +256,24 @@ def test_the_accelerated_model_is_the_model_at_the_record_shape():
     lr = group_learning_rates(TrainConfig())
     optimizer = MuonAdam(plain.param_groups(), lr=lr, normuon_beta2=0.95)
     plain_params = dict(plain.named_parameters())
-    report = []
+    scalars = [name for name, p in plain_params.items() if p.ndim < 2]
+    plain_scalar_grads, fast_scalar_grads = [], {}
     for step, (inputs, targets) in enumerate(batches):
         losses, grads = [], []
         for model, loss_of in ((fast, lambda m, *a: m(*a)), (plain, reference_loss)):
             loss = loss_of(model, inputs, targets, window)
             loss.backward()
             losses.append(loss.item())
-            grads.append({name: p.grad.detach().clone() for name, p in model.named_parameters()})
+            grads.append({name: p.grad.detach().double() for name, p in model.named_parameters()})
+        plain_scalar_grads.append({name: grads[1][name] for name in scalars})
         if step in (0, 20):
-            cos = cosines(*grads)
+            fast_scalar_grads[step] = {name: grads[0][name] for name in scalars}
+            cos = cosines(*({n: g for n, g in side.items() if n not in scalars} for side in grads))
             worst = min(cos, key=cos.get)
-            report.append((step, losses, worst, cos[worst]))
             print(f"step {step}: loss fast {losses[0]:.6f} plain {losses[1]:.6f} "
-                  f"(relative {abs(losses[0] / losses[1] - 1):.2e}); lowest gradient cosine {cos[worst]:.5f} "
+                  f"(relative {abs(losses[0] / losses[1] - 1):.2e}); lowest matrix gradient cosine {cos[worst]:.5f} "
                   f"({worst}); median {sorted(cos.values())[len(cos) // 2]:.5f}")
-            assert abs(losses[0] / losses[1] - 1) < 5e-3, report
+            assert abs(losses[0] / losses[1] - 1) < 5e-3, losses
             assert all(c >= 0.99 for c in cos.values()), {n: c for n, c in cos.items() if c < 0.99}
         # the plain model's update, given to both: the next comparison stands at the same weights
         optimizer.step(1.0, 0.95)
@@ -277,3 +282,11 @@ def test_the_accelerated_model_is_the_model_at_the_record_shape():
         with torch.no_grad():
             for name, p in fast.named_parameters():
                 p.copy_(plain_params[name])
+    errors = {}
+    for name in scalars:
+        rms = torch.stack([g[name].norm() for g in plain_scalar_grads]).pow(2).mean().sqrt()
+        for step, fast_grads in fast_scalar_grads.items():
+            errors[name, step] = ((fast_grads[name] - plain_scalar_grads[step][name]).norm() / rms).item()
+    worst = max(errors, key=errors.get)
+    print(f"scalar parameters: largest gradient error {errors[worst]:.4f} of the plain gradient's RMS {worst}")
+    assert errors[worst] < 0.14, {key: e for key, e in errors.items() if e >= 0.14}
