@@ -1,0 +1,65 @@
+"""sample.py's decoding speed on the record model, and how much of its GPU time attention takes.
+
+    python -m dev.sample_speed --out sample_speed.json       # one GPU
+
+The record model with random weights (non-zero projections and head), built as load_model builds it; sample.py's
+generate from a 32-token prompt, 256 new tokens, 1 and 8 samples: tokens/s (the second of two calls) and the share
+of CUDA kernel time in attention kernels (a third call under torch.profiler). The share bounds what a faster
+attention could save in sampling.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import sample  # noqa: E402
+import test_fast as tf  # noqa: E402
+from dev.gradient_precision import initial_state  # noqa: E402
+from runtime.backend import build_model  # noqa: E402
+
+ATTENTION_KERNELS = ("flash", "attention", "fmha", "sdpa", "efficient")
+
+
+def attention_share(prof) -> float:
+    total = attention = 0.0
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total += event.device_time_total
+            if any(k in event.key.lower() for k in ATTENTION_KERNELS):
+                attention += event.device_time_total
+    return attention / max(total, 1e-9)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    model, _ = build_model(tf.RECORD, device, "auto", fp8=False)
+    model.load_state_dict(initial_state(device))
+    model.eval()
+    prompt, result = [50256] * 32, {}
+    for samples in (1, 8):
+        kwargs = dict(max_new_tokens=256, temperature=1.0, top_k=0, num_samples=samples, window=tf.RECORD_WINDOW,
+                      max_context=tf.RECORD_T, generator=torch.Generator(device).manual_seed(0))
+        sample.generate(model, prompt, **kwargs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rows = sample.generate(model, prompt, **kwargs)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            sample.generate(model, prompt, **kwargs)
+        new = sum(len(r) for r in rows)
+        result[samples] = {"new_tokens": new, "seconds": round(seconds, 3), "tokens_per_s": round(new / seconds, 1),
+                           "attention_share_of_cuda_time": round(attention_share(prof), 4)}
+        print(samples, result[samples], flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
