@@ -4,6 +4,8 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -47,10 +49,15 @@ interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="runs in test_kernels_in_the_triton_interpreter's child")
 
 
+INTERPRETED_FILES: list[str] = []  # the kernel test files that bound interpreter_parent, as pytest imported them
+_interpreted: dict[str, tuple[int, str]] = {}  # file -> (its interpreted tests that passed, the child's output)
+
 
 def interpreter_parent(test_file: str, passed: int, *marks):
     """The test that runs test_file's `interpreted` tests in a child process (run_interpreted), for a kernel test file
     to bind as test_kernels_in_the_triton_interpreter; it skips where triton is not installed and in the child."""
+    INTERPRETED_FILES.append(test_file)
+
     @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch)")
     @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the child itself")
     def test_kernels_in_the_triton_interpreter():
@@ -64,13 +71,27 @@ def interpreter_parent(test_file: str, passed: int, *marks):
 
 
 def run_interpreted(test_file: str, passed: int) -> None:
-    """Run test_file's tests marked by "interpreted" in their name in a child pytest with TRITON_INTERPRET=1, which
-    must be set before triton decorates the kernels (when model/fast's modules import them); assert that exactly
-    `passed` ran and passed."""
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k",
-                            "interpreted"], cwd=Path(__file__).parents[1], env={**os.environ, "TRITON_INTERPRET": "1"},
-                           capture_output=True, text=True, timeout=300)
-    assert child.returncode == 0 and f"{passed} passed" in child.stdout.splitlines()[-1], child.stdout + child.stderr
+    """Assert that exactly `passed` of test_file's tests marked by "interpreted" in their name ran and passed in a
+    child pytest with TRITON_INTERPRET=1, which must be set before triton decorates the kernels (when model/fast's
+    modules import them). The first call runs one child for every collected kernel test file not yet run, which saves
+    a process start and triton's import per file; each file's test then reads its own count."""
+    if test_file not in _interpreted:
+        files = [f for f in INTERPRETED_FILES if f not in _interpreted] or [test_file]
+        with tempfile.TemporaryDirectory() as tmp:
+            report = Path(tmp) / "interpreted.xml"
+            env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"} | {"TRITON_INTERPRET": "1"}
+            child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "-k",
+                                    "interpreted", f"--junitxml={report}"], cwd=Path(__file__).parents[1], env=env,
+                                   capture_output=True, text=True, timeout=900)
+            cases = list(ET.parse(report).getroot().iter("testcase")) if report.exists() else []
+        output = (child.stdout + child.stderr)[-8000:]
+        for f in files:
+            module = Path(f).stem
+            ok = [c for c in cases if c.get("classname", "").split(".")[-1] == module
+                  and not any(c.find(tag) is not None for tag in ("failure", "error", "skipped"))]
+            _interpreted[f] = (len(ok), output)
+    count, output = _interpreted[test_file]
+    assert count == passed, f"{count} of {passed} interpreted tests of {Path(test_file).name} passed\n{output}"
 
 
 def random_gpt(config: GPTConfig, seed: int, std: float) -> GPT:
