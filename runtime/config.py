@@ -106,9 +106,9 @@ PRESETS: dict[str, dict] = {
 
 # Flags a resume may change: they leave the training math the same
 RESUME_MAY_CHANGE = {"resume", "log_dir", "checkpoint_every", "val_loss_every", "log_every", "compile", "kernels",
-                     "fp8", "attention_forward", "profile_step", "profile_cpu", "warmup_steps", "device", "hellaswag", "hellaswag_file",
-                     "val_files", "val_tokens", "val_context", "preset", "device_batch_size", "stall_steps",
-                     "collective_timeout_s"}
+                     "fp8", "attention_forward", "profile_step", "profile_cpu", "warmup_steps", "device", "hellaswag",
+                     "hellaswag_file", "val_files", "val_tokens", "val_context", "preset", "device_batch_size",
+                     "stall_steps", "collective_timeout_s"}
 BLOCK_SIZE = 128  # FlexAttention's tile
 RECORD_NO_ATTENTION_LAYERS = (7,)  # the record's cut, found at 12 layers
 ALIGNMENT_MARGIN = 0.10  # share of tokens that BOS alignment skips

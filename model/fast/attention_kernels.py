@@ -9,9 +9,9 @@ rule (document-causal, a window of whole blocks). Per head, with S-token blocks 
   (absmax / 448); P V accumulates in fp32, and the row sums use P before rounding.
 
 `quantize` prepares the kernel's operands in torch ops. The kernel runs one program per (query block, batch row and
-head): an online softmax over the key blocks that its window and its first query's document reach. `int8_attention_op`
-is its torch.library op, so that compiled blocks call it; `Int8Mask` carries what it reads of a batch. tests/test_int8_attention.py holds the same math in torch
-and its error against exact attention.
+head): an online softmax over the key blocks that its window and its first query's document reach.
+`int8_attention_op` is its torch.library op, so that compiled blocks call it; `Int8Mask` carries what it reads of a
+batch. tests/test_int8_attention.py holds the same math in torch and its error against exact attention.
 
 Shape legend: as model/gpt.py; N = T // S blocks.
 """
