@@ -62,6 +62,14 @@ def child_env(**extra) -> dict:
     return {**{k: v for k, v in os.environ.items() if k not in drop}, "VIRTUAL_ENV": sys.prefix, **extra}
 
 
+def as_from_a_terminal(cmd: list[str]) -> list[str]:
+    """cmd, started with SIGINT at its default, as a terminal's shell starts it. A pytest run in the background
+    passes SIGINT on ignored, and bash cannot trap a signal that was ignored when it started, so run.sh would not
+    forward a Ctrl-C; the wrapper restores the default and becomes cmd (same process id)."""
+    return [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+            "os.execvp(sys.argv[1], sys.argv[1:])", *cmd]
+
+
 def run(cmd, **env) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT, env=child_env(**env))
 
@@ -743,8 +751,8 @@ def test_oom_anywhere_in_the_run_becomes_the_advice(corpus, tmp_path, monkeypatc
 
 def stop_after_first_step(cmd, send) -> tuple[int, str]:
     """Start `cmd`, call send(process) once it logs its first step, and return (status, output)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=child_env(), start_new_session=True)
+    proc = subprocess.Popen(as_from_a_terminal(cmd), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=child_env(), start_new_session=True)
     lines = []
     try:
         for line in proc.stdout:

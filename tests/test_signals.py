@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from runtime import control
-from test_reliability import (LONG, NO_GPU, ROOT, TIMEOUT, assert_stopped_with_checkpoint, child_env, children,
-                              train_args)
+from test_reliability import (LONG, NO_GPU, ROOT, TIMEOUT, as_from_a_terminal, assert_stopped_with_checkpoint,
+                              child_env, children, train_args)
 from test_reliability import corpus  # noqa: F401  (the session's synthetic corpus, a fixture)
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -36,8 +36,8 @@ class Job:
     """A command in a session of its own, its output read line by line with the time each line came."""
 
     def __init__(self, cmd, **env):
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=child_env(**env), start_new_session=True)
+        self.proc = subprocess.Popen(as_from_a_terminal(cmd), cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=child_env(**env), start_new_session=True)
         self.lines: list[tuple[float, str]] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
