@@ -32,6 +32,8 @@ class GPTConfig:
     no_mlp_layers: tuple[int, ...] = ()
     no_attention_layers: tuple[int, ...] = ()
     backout: bool = False  # add a learned multiple of the mid-stream to the output (nanochat)
+    # long-window layers' keys take the previous position's stationary dims: one-layer induction (modded-nanogpt)
+    key_offset: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "block_size"):
@@ -80,6 +82,10 @@ class GPTConfig:
             return layer in self.short_window_layers
         return min(layer, self.num_layers - 1 - layer) % 4 != 0
 
+    def offsets_keys(self, layer: int) -> bool:
+        """Whether `layer`'s attention offsets its keys (model.gpt.offset_keys): with key_offset, the long ones."""
+        return self.key_offset and layer not in self.no_attention_layers and not self.is_short_window(layer)
+
     def value_embed_index(self, layer: int) -> int | None:
         """The value embedding `layer` uses, or None (value_embed_layers)."""
         n, L = self.num_value_embeds, self.num_layers
@@ -110,10 +116,14 @@ def attention_windows(config: GPTConfig, window: int) -> dict[int, int]:
 
 
 def receptive_field(config: GPTConfig, window: int) -> int:
-    """How many tokens before a position can change its output: sum(W - S) + S - 1 over the layers' windows."""
+    """How many tokens before a position can change its output: from the last position of a block, down the layers,
+    each reaches the first key of its window's first block, and an offsetting layer's key the position before it
+    too. Without offsets sum(W - S) + S - 1 over the layers' windows."""
     S = config.block_size
-    windows = attention_windows(config, window).values()
-    return sum(w - S for w in windows) + S - 1 if windows else 0
+    p = -1  # the query, the last position of a block
+    for layer, w in sorted(attention_windows(config, window).items(), reverse=True):
+        p = (p // S - w // S + 1) * S - config.offsets_keys(layer)
+    return -1 - p
 
 
 def mean_context(seq_len: int, window: int, block_size: int) -> float:

@@ -6,9 +6,9 @@
     logits_BV = model.head.logits(hidden_B1D[:, -1])
 
 Contract: after tokens t_0 .. t_{n-1} have gone in, in any split into calls, `extend` returns for its tokens what
-model.hidden_states(t_0 .. t_{n-1}, W) returns at their positions. Each attention layer caches its keys and values
-and attends on SDPA under model/attention.py's rule. Only the plain modules' functions are used, so a FastGPT
-decodes alike.
+model.hidden_states(t_0 .. t_{n-1}, W) returns at their positions. Each attention layer caches its keys (offset
+ones, with key_offset) and values and attends on SDPA under model/attention.py's rule. Only the plain modules'
+functions are used, so a FastGPT decodes alike.
 
 Shape legend: as model/gpt.py; K cached keys, C capacity.
 """
@@ -18,7 +18,7 @@ from torch import Tensor
 
 from model.attention import document_ids
 from model.config import short_window, window_blocks
-from model.gpt import GPT, MLP, Attention, norm, prepare_qkv, rotary_tables, x0_mix
+from model.gpt import GPT, MLP, Attention, norm, offset_keys, prepare_qkv, rotary_tables, x0_mix
 
 PREFILL_CHUNK = 1024  # queries per attention call, bounding a long prompt's masks and scores
 
@@ -45,6 +45,8 @@ class KVCache:
         self.keys = {i: torch.empty(shape, dtype=dtype, device=device)
                      for i, block in enumerate(model.blocks) if block.attn is not None}
         self.values = {i: torch.empty_like(k) for i, k in self.keys.items()}
+        # per offsetting layer, the last position's key before its offset (B, 1, H, d): the next token's offset reads it
+        self.last_keys = {}
         self.doc_BC = torch.zeros(batch, capacity, dtype=torch.int32, device=device)
         self.cos_CP, self.sin_CP = rotary_tables(capacity, cfg.head_dim, cfg.rope_base, device)
         # how many whole blocks back each kind of layer sees, by is_short_window
@@ -108,6 +110,10 @@ class KVCache:
         B, T, _ = x_BTD.shape
         qkv_BT3Hd = F.linear(x_BTD, attn.qkv_w.flatten(0, 1).type_as(x_BTD)).view(B, T, 3 * attn.num_heads, -1)
         q_BTHd, k_BTHd, v_BTHd = prepare_qkv(qkv_BT3Hd, cos_TP, sin_TP, attn.value_lambdas, v_first_BTHd, ve_BTA)
+        if attn.offsets_keys:
+            before_B1Hd = self.last_keys.get(layer)
+            self.last_keys[layer] = k_BTHd[:, -1:]
+            k_BTHd = offset_keys(k_BTHd, before_B1Hd)
         end = self.length + T
         self.keys[layer][:, self.length:end] = k_BTHd
         self.values[layer][:, self.length:end] = v_BTHd

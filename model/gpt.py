@@ -7,8 +7,9 @@
     block: x = l0 x + l1 x0;  x += Attention(norm(x));  x += MLP(norm(x))
 
 Attention has QK-norm, half-truncated rotary embeddings, value embeddings, document-causal sliding windows
-(model/attention.py) and a sigmoid gate per head; the MLP is ReLU² (So et al. 2021); both output projections start
-at zero. Norms are RMSNorm without a gain; fp32 weights are cast to the activations' dtype where used.
+(model/attention.py), a sigmoid gate per head and, with key_offset, offset keys in long-window layers (offset_keys);
+the MLP is ReLU² (So et al. 2021); both output projections start at zero. Norms are RMSNorm without a gain; fp32
+weights are cast to the activations' dtype where used.
 
 Shape legend: B batch rows, T tokens, D model dim, H heads, d head dim, A = H d attention width, F MLP width,
 V vocab, P = d / 2 rotary pairs, G gate channels, N = B T tokens.
@@ -70,15 +71,25 @@ def prepare_qkv(qkv_BT3Hd: Tensor, cos_TP: Tensor, sin_TP: Tensor, lambdas: Tens
     return q_BTHd, k_BTHd, v_BTHd
 
 
+def offset_keys(k_BTHd: Tensor, before_B1Hd: Tensor | None = None) -> Tensor:
+    """A new (B, T, H, d): k with each position's stationary dims (the pairs rotary_tables keeps still, d/4 .. d/2 - 1
+    and 3d/4 .. d - 1) taken from the position before, position 0's from `before` (B, 1, H, d), or its own without
+    it. A query can then match a key by the token before it: one-layer induction (modded-nanogpt's key offset)."""
+    d = k_BTHd.size(-1)
+    earlier_BTHd = torch.cat((k_BTHd[:, :1] if before_B1Hd is None else before_B1Hd, k_BTHd[:, :-1]), dim=1)
+    stationary_d = torch.arange(d, device=k_BTHd.device) % (d // 2) >= d // 4
+    return torch.where(stationary_d, earlier_BTHd, k_BTHd)
+
+
 def uniform_(w: Tensor, std: float) -> None:
     bound = math.sqrt(3.0) * std  # a uniform on [-b, b] has std b / sqrt(3)
     nn.init.uniform_(w, -bound, bound)
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, head_dim: int, scale: float):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, scale: float, offsets_keys: bool = False):
         super().__init__()
-        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+        self.num_heads, self.head_dim, self.scale, self.offsets_keys = num_heads, head_dim, scale, offsets_keys
         attn_dim = num_heads * head_dim
         # q, k, v as one (3, A, D) parameter; Muon orthogonalises each matrix
         self.qkv_w = nn.Parameter(torch.empty(3, attn_dim, dim))
@@ -112,6 +123,8 @@ class Attention(nn.Module):
         B, T, _ = x_BTD.shape
         qkv_BT3Hd = F.linear(x_BTD, self.qkv_w.flatten(0, 1).type_as(x_BTD)).view(B, T, 3 * self.num_heads, -1)
         q, k, v = prepare_qkv(qkv_BT3Hd, cos_TP, sin_TP, self.value_lambdas, v_first_BTHd, ve_BTA)
+        if self.offsets_keys:
+            k = offset_keys(k)
         return self.attend_and_project(q, k, v, x_BTD[..., :self.gate_w.size(1)], mask), v
 
 
@@ -144,8 +157,8 @@ class Block(nn.Module):
         super().__init__()
         D = config.model_dim
         has_attention = layer not in config.no_attention_layers
-        self.attn = self.make_attention(D, config.num_heads, config.head_dim, config.attn_scale) \
-            if has_attention else None
+        self.attn = self.make_attention(D, config.num_heads, config.head_dim, config.attn_scale,
+                                        config.offsets_keys(layer)) if has_attention else None
         self.mlp = self.make_mlp(D, config.mlp_ratio * D) if layer not in config.no_mlp_layers else None
         # only the layer whose values later layers read returns them
         self.shares_values = has_attention and layer == 0 and config.value_residual

@@ -30,6 +30,7 @@ class TrainConfig:
     long_window_layers: str = "auto"  # long-window layers (others: half); auto = every 4th from each end
     value_residual: bool = False  # mix layer 0's values into later layers'
     backout: bool = False  # subtract a learned share of the mid-stream before the head
+    key_offset: bool = False  # long-window layers' keys take the previous token's non-rotating dims
     logit_softcap: float = 15.0  # cap * tanh(logits / cap)
     # optimizer
     lr_hidden: float = 0.05  # Muon LR of the hidden matrices
@@ -250,7 +251,7 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
         return GPTConfig(vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, model_dim=cfg.model_dim,
                          num_heads=cfg.num_heads, head_dim=cfg.head_dim, num_value_embeds=cfg.num_value_embeds,
                          logit_softcap=cfg.logit_softcap, block_size=BLOCK_SIZE, value_residual=cfg.value_residual,
-                         backout=cfg.backout, short_window_layers=short_window_layers(cfg),
+                         backout=cfg.backout, key_offset=cfg.key_offset, short_window_layers=short_window_layers(cfg),
                          no_mlp_layers=layer_list("no_mlp_layers", cfg.no_mlp_layers, cfg.num_layers),
                          no_attention_layers=no_attention_layers(cfg))
 

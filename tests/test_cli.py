@@ -22,6 +22,8 @@ def test_val_context_resolves_to_the_receptive_field():
     (layer 7 has no attention; model.config.receptive_field), rounded up to whole blocks; capped at half a sequence;
     an explicit value is kept."""
     assert derive(TrainConfig(), world_size=1).val_context == 88 * 128 == 3 * 1664 + 8 * 768 + 127 + 1
+    # offset keys: each long layer moves a whole window back, to the end of the block before it, where layer 0 stops
+    assert derive(TrainConfig(key_offset=True), world_size=1).val_context == 90 * 128 == 3 * 1792 + 8 * 768
     assert derive(TrainConfig(seq_len=16_384), world_size=1).val_context == 8_192
     assert derive(TrainConfig(val_context=0), world_size=1).val_context == 0
 
@@ -153,10 +155,11 @@ def test_flags_reach_the_config_and_the_model():
     """Booleans in any case, the preset's own name kept in the config (the log and resume's advice read it), and the
     flags that switch model parts on reaching GPTConfig (dropped there, they would train the plain model silently)."""
     cfg = parse_config(TrainConfig, ["--preset=smoke", "--compile=TRUE", "--fp8=False", "--backout=Yes",
-                                     "--value_residual=true"], PRESETS)
+                                     "--value_residual=true", "--key_offset=1"], PRESETS)
     assert (cfg.preset, cfg.compile, cfg.fp8) == ("smoke", True, False)
     model = model_config(cfg)
-    assert (model.backout, model.value_residual) == (True, True)
+    assert (model.backout, model.value_residual, model.key_offset) == (True, True, True)
+    assert model_config(parse_config(TrainConfig, ["--preset=smoke"], PRESETS)).key_offset is False
     with pytest.raises(UserError, match=r"--log_every=0 must be positive"):  # the loop divides by it
         derive(TrainConfig(log_every=0), world_size=1)
 

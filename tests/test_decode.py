@@ -1,5 +1,7 @@
 """model/decode.py's KV cache against the full model: the same logits at every position, and sample.generate's greedy
 tokens with the cache equal to a re-run of the whole model per token."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,17 +14,19 @@ from model.gpt import GPT, GPTConfig
 BOS = 50256  # GPTConfig's bos_id, sample.py's <|endoftext|>
 # every path of the model at once: value embeddings (layers 0, 1 and 4, 5), the value residual, a block without
 # attention (2) and one without an MLP (3), the backout, U-net skips, short-window layers; blocks of 16 tokens, so
-# that a window of 48 tokens (3 blocks; short layers 1 block) cuts a sequence of 100
+# that a window of 48 tokens (3 blocks; short layers 1 block) cuts a sequence of 100. The model fixture adds the
+# key offset (long layers 0 and 5).
 CONFIG = GPTConfig(num_layers=6, model_dim=64, num_heads=2, head_dim=16, num_value_embeds=2, value_residual=True,
                    no_attention_layers=(2,), no_mlp_layers=(3,), backout=True, short_window_layers=(1, 3, 4),
                    block_size=16)
 WINDOW = 48
 
 
-@pytest.fixture(scope="module")
-def model() -> GPT:
-    """A random fp32 model whose mixing weights and gates are random too, so every path changes the logits."""
-    model = random_gpt(CONFIG, seed=0, std=0.3)
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "key_offset"])
+def model(request) -> GPT:
+    """A random fp32 model whose mixing weights and gates are random too, so every path changes the logits; without
+    and with the key offset, which needs each chunk's first key to read the one before it."""
+    model = random_gpt(dataclasses.replace(CONFIG, key_offset=request.param), seed=0, std=0.3)
     with torch.no_grad():
         for block in model.blocks:
             block.lambdas.normal_()
@@ -81,7 +85,7 @@ def test_a_fast_gpt_decodes_as_the_plain_one(model):
     """FastGPT's blocks take other arguments; the cache reads only GPT's parameters and plain functions."""
     pytest.importorskip("triton")
     from model.fast.gpt import FastGPT
-    fast = FastGPT(CONFIG).configure(torch.device("cpu"))
+    fast = FastGPT(model.config).configure(torch.device("cpu"))
     fast.load_state_dict(model.state_dict())
     tokens = tokens_with_documents(rows=2, length=70, bos_at=[13, 50], seed=3)
     got = decoded_logits(fast.eval(), tokens, prompt_len=30, window=WINDOW)

@@ -54,10 +54,12 @@ def test_same_parameters_initialisation_and_state():
     assert all(b.item() == 0 for _, b in fast.named_buffers())
 
 
-def test_routed_gradients_equal_the_plain_models():
+@pytest.mark.parametrize("key_offset", [False, True], ids=["plain", "key_offset"])
+def test_routed_gradients_equal_the_plain_models(key_offset):
     """TableRows, FanOut and SkipAdd only route gradients, and the fused head's loss and gradient are the plain
-    head's: over two micro-batches each parameter's accumulated gradient equals the plain model's (fp32, SDPA)."""
-    config = dataclasses.replace(TINY, num_value_embeds=2)
+    head's: over two micro-batches each parameter's accumulated gradient equals the plain model's (fp32, SDPA), with
+    the key offset too."""
+    config = dataclasses.replace(TINY, num_value_embeds=2, key_offset=key_offset)
     fast, plain = pair(config)
     micro_batches = [batch(seed=0), batch(seed=1)]
     grads, losses = [], []
@@ -108,6 +110,7 @@ def test_compile_regions_asks_inductor_for_repeatable_kernels(monkeypatch, kwarg
 @pytest.mark.parametrize("parts, graphs", [
     ({"no_attention_layers": (3,)}, 6),  # the record's patterns: value embedding or not, a layer without attention
     ({"no_attention_layers": (3,), "no_mlp_layers": (0, 5), "value_residual": True}, 10),  # five: past the limit 8
+    ({"no_attention_layers": (3,), "key_offset": True}, 8),  # the long layers 0 and 5 offset their keys
 ])
 def test_compiled_regions_compile_one_graph_per_block_pattern(parts, graphs):
     """Training and validation together compile one block graph per presence pattern and mode; the embeddings, x0's

@@ -1,6 +1,7 @@
 """model/gpt.py, the plain model: zero-init and the ln(V) first loss, untied head, softcap bound, parameter groups,
 reductions, causality and document isolation on both attention backends, a tiny model that learns, the gate, the
-U-net skips, the backout and the receptive field. model/fast's FastGPT is tested against it in tests/test_fast.py."""
+U-net skips, the backout and the receptive field. model/fast's FastGPT is tested against it in tests/test_fast.py,
+the key offset in tests/test_key_offset.py."""
 
 import dataclasses
 import math
@@ -20,6 +21,7 @@ BOS = 0
 TINY = GPTConfig(vocab_size=256, num_layers=4, model_dim=64, num_heads=2, head_dim=32, num_value_embeds=1,
                  block_size=32, bos_id=BOS)
 BACKOUT = dataclasses.replace(TINY, backout=True)
+KEY_OFFSET = dataclasses.replace(TINY, key_offset=True)  # layers 0 and 3 long, so offset; 1 and 2 short
 T = 128
 
 
@@ -330,15 +332,19 @@ def test_partial_block_config_errors():
     GPTConfig(no_attention_layers=(0, 11))  # each embedding keeps a reader: layers 9 and 2
 
 
-def test_receptive_field_is_how_far_back_an_input_reaches():
+# layers 0 and 3 long (64 = 2 blocks), 1 and 2 short (32 = 1 block): each moves 64 - 32 or 0 tokens back from a
+# block's end to a block's end, and one reaches on to the first token of its block, 31 further. Offset keys reach
+# one position before their window's first block, the end of the block before: from 255, layer 3 reaches 191,
+# layers 2 and 1 160, layer 0 127.
+@pytest.mark.parametrize("config, reach", [(TINY, 2 * 32 + 2 * 0 + 31), (KEY_OFFSET, 255 - 127)],
+                         ids=["plain", "key_offset"])
+def test_receptive_field_is_how_far_back_an_input_reaches(config, reach):
     """In one long document, changing the input token receptive_field() positions before a query changes the
     output there; one position further back it changes nothing, bit for bit (masked keys weigh exactly 0)."""
     window = 64
-    rf = receptive_field(TINY, window)
-    # layers 0 and 3 long (64 = 2 blocks), 1 and 2 short (32 = 1 block): each moves 64 - 32 or 0 tokens back from a
-    # block's end to a block's end, and one reaches on to the first token of its block, 31 further
-    assert rf == 2 * 32 + 2 * 0 + 31
-    model = tiny_model(random=True)
+    rf = receptive_field(config, window)
+    assert rf == reach
+    model = tiny_model(config, random=True)
     inputs = torch.randint(1, TINY.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))
     inputs[0, 0] = BOS
 

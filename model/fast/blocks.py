@@ -15,7 +15,7 @@ from model.fast.attention_kernels import Int8Mask
 from model.fast.fp8 import (delayed_scale, fp8_mm, k_major_weight, normed_fp8_linear, normed_scale,
                             to_e4m3)
 from model.fast.mlp import ReLU2MLP, transposed_copy
-from model.gpt import MLP, Attention, Block, norm, prepare_qkv, x0_mix
+from model.gpt import MLP, Attention, Block, norm, offset_keys, prepare_qkv, x0_mix
 
 
 def mix_norm(x_BTD: Tensor, x0_BTD: Tensor, lambdas: Tensor, gate_width: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -176,6 +176,8 @@ class FastAttention(Attention):
         else:
             q, k, v = (QKVPrep.apply if on_qkv_kernels(x_BTD, d) else prepare_qkv)(
                 F.linear(x_BTD, qkv_w).view(B, T, 3 * H, d), cos_TP, sin_TP, self.value_lambdas, v_first_BTHd, ve_BTA)
+        if self.offsets_keys:
+            k = offset_keys(k)
         return self.attend_and_project(q, k, v, gate_in_BTG, mask), v
 
 
