@@ -38,9 +38,29 @@ def env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SPEEDRUN_TRACEBACK")}
 
 
+STARTED: list[subprocess.Popen] = []  # the test's runs, stopped at its end whatever its outcome
+
+
 def train(log_dir: Path, *flags: str, preexec_fn=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "train_gpt2.py", *flags, f"--log_dir={log_dir}"], cwd=ROOT, env=env(),
+    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *flags, f"--log_dir={log_dir}"], cwd=ROOT, env=env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+    STARTED.append(proc)
+    return proc
+
+
+def stop_started() -> None:
+    """Kill the runs a failed assertion left going, which would hold a tmpfs busy and take the CPU from later tests."""
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+@pytest.fixture(autouse=True)
+def runs_stop():
+    yield
+    stop_started()
 
 
 def wait_for(log_dir: Path, name: str, proc: subprocess.Popen) -> Path:
@@ -64,10 +84,16 @@ def one_line_error(proc: subprocess.Popen) -> str:
 
 
 def fill(folder: Path, leave: int) -> None:
-    """Take all but `leave` bytes of the filesystem that holds `folder`."""
-    with open(folder / "filler", "wb") as f:
-        f.truncate(0)
-        f.write(b"\0" * (shutil.disk_usage(folder).free - leave))
+    """Take all but `leave` bytes of the filesystem that holds `folder`: write until it is full, then give `leave`
+    back, as a run may be writing there at the same time (a free-space reading would be stale by the write)."""
+    with open(folder / "filler", "wb", buffering=0) as f:
+        try:
+            while f.write(b"\0" * MiB):
+                pass
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+        f.truncate(max(0, f.tell() - leave))
 
 
 @pytest.fixture
@@ -86,6 +112,7 @@ def tmpfs(tmp_path):
         return folder
 
     yield mount
+    stop_started()
     for folder in mounted:
         subprocess.run(["umount", str(folder)], check=True)
 
