@@ -94,7 +94,7 @@ PRESETS: dict[str, dict] = {
                  window_min_tokens=128, window_max_tokens=512, val_loss_every=50, log_every=10, lr_embed=0.1,
                  lr_head=0.01, warmup_steps=1),
     # the one-GPU time-to-loss run: the record candidate's model, fewer and smaller steps
-    "short": dict(key_offset=True, batch_size=3, num_iterations=580, cooldown_frac=0.9, momentum_warmup_steps=-1,
+    "short": dict(key_offset=True, batch_size=3, num_iterations=450, cooldown_frac=0.9, momentum_warmup_steps=-1,
                   val_loss_every=0, log_every=20, muon_method="polar_express"),
     # a candidate for the next record (unverified on FineWeb): with the ideas that won on the proxy corpus (short),
     # 50 steps fewer, as modded-nanogpt's key offset record took off

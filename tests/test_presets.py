@@ -63,7 +63,7 @@ def test_preset_batch_fits_one_and_eight_gpus(name, world_size):
 def test_short_preset_is_the_candidate_model_on_a_shorter_schedule():
     """The time-to-loss figures of bench/results are the record candidate's model (the record's with the ideas that
     won there): the preset may change the batch, the schedule, Muon's coefficients (and how often it logs, as those
-    runs did) only, and its momentum warm-up ends at its last step (580, the runs' value)."""
+    runs did) only, and its momentum warm-up ends at its last step (450, the runs' value)."""
     short, candidate = TrainConfig(**PRESETS["short"]), TrainConfig(**PRESETS["record_candidate"])
     changed = {f for f in TrainConfig.__dataclass_fields__ if getattr(short, f) != getattr(candidate, f)}
     assert changed == {"batch_size", "num_iterations", "cooldown_frac", "momentum_warmup_steps", "val_loss_every",
@@ -71,5 +71,5 @@ def test_short_preset_is_the_candidate_model_on_a_shorter_schedule():
     assert short.log_every == 20
     assert model_config(short) == model_config(candidate) != model_config(TrainConfig())
     assert short.key_offset and not TrainConfig().key_offset
-    assert derive(short, 1).momentum_warmup_steps == short.num_iterations == 580
+    assert derive(short, 1).momentum_warmup_steps == short.num_iterations == 450
     assert derive(short, 1).tokens_per_step == 3 * 48 * 1024
