@@ -1,0 +1,119 @@
+"""model/fast/int8_decode.py, the KV cache's INT8/FP8 attention.
+
+int8_scores and int8_attend against exact fp64 attention under the cache's masks: every element within the worst case
+and the RMS error near the predicted one (helpers' rounding analysis, the scales recomputed here from the rule), so
+that neither a missing rounding nor a coarser one passes; the scores alone as well, since e4m3's rounding of P and V
+outweighs INT8's in the output.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import Int8Scales, int8_error_bound, int8_error_variance, int8_score_bound, int8_score_variance
+from model.attention import document_ids
+from model.decode import window_mask
+from model.fast.int8_decode import int8_attend, int8_scores
+
+BOS, SCALE = 0, 0.12  # SCALE: the record's attention scale
+
+
+def operands(B: int, T: int, K: int, H: int, d: int, seed: int, offset: float):
+    """bf16 q (B, T, H, d) and k, v (B, K, H, d): q and k RMS-normed per head (QK-norm) around a shared offset
+    direction of size `offset`, as trained heads have; v normal, each channel's size between 1/4 and 4."""
+    g = torch.Generator().manual_seed(seed)
+
+    def normed(n):
+        x = torch.randn(B, n, H, d, generator=g) + offset * torch.randn(d, generator=g)
+        return x / x.pow(2).mean(-1, keepdim=True).sqrt()
+    v_size_d = 4.0 ** (2 * torch.rand(d, generator=g) - 1)
+    return normed(T).bfloat16(), normed(K).bfloat16(), (torch.randn(B, K, H, d, generator=g) * v_size_d).bfloat16()
+
+
+def cache_mask(B: int, T: int, K: int, S: int, blocks: int) -> tuple[torch.Tensor, int]:
+    """The cache's mask (B, 1, T, K') for the last T of K tokens with documents (one starting 3 tokens before the
+    queries, row 1's halfway), and its first key: K' = K - first key keys from the window's first block on."""
+    tokens = torch.randint(1, 50, (B, K), generator=torch.Generator().manual_seed(1))
+    tokens[:, 0] = BOS
+    tokens[0, [K // 3, K - T - 3]] = BOS
+    tokens[1:, K // 2] = BOS
+    first_key = max(0, ((K - T) // S - blocks + 1) * S)
+    return window_mask(document_ids(tokens, BOS), first_key, K - T, blocks, S), first_key
+
+
+def exact_attention(q_BTHd, k_BKHd, v_BKHd, mask_B1TK, scale: float) -> torch.Tensor:
+    """fp64 softmax attention under the mask: (B, T, H, d)."""
+    q, k, v = (x.double().transpose(1, 2) for x in (q_BTHd, k_BKHd, v_BKHd))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TK, scale=scale).transpose(1, 2)
+
+
+def decode_scales(q_BTHd, k_BKHd, v_BKHd, S: int) -> Int8Scales:
+    """int8_attend's scales by its rule, in fp64: q's per token, k''s per block of S keys (k' = k - its mean over the
+    keys), V's per channel."""
+    K = k_BKHd.size(1)
+    q_scale_BTH = q_BTHd.double().abs().amax(-1) / 127
+    k_BKHd = k_BKHd.double() - k_BKHd.double().mean(dim=1, keepdim=True)
+    absmax_BHNS = F.pad(k_BKHd.abs().amax(-1).transpose(1, 2), (0, -K % S)).unflatten(-1, (-1, S))
+    k_scale_BKH = (absmax_BHNS.amax(-1) / 127).repeat_interleave(S, dim=-1)[..., :K].transpose(1, 2)
+    k_hat_BKHd = torch.round(k_BKHd / k_scale_BKH[..., None]) * k_scale_BKH[..., None]
+    return Int8Scales(q_scale_BTH, k_scale_BKH, k_hat_BKHd, v_BKHd.double().abs().amax(dim=1) / 448)
+
+
+def rms(x: torch.Tensor) -> float:
+    return x.double().pow(2).mean().sqrt().item()
+
+
+@pytest.mark.parametrize("K, d, S, offset", [(300, 64, 64, 2.0), (200, 32, 16, 0.0)])
+def test_int8_scores_within_the_bound_and_near_the_predicted_error(K, d, S, offset):
+    """Each query's scores plus its smoothing's constant q mean(k) scale against q k scale in fp64: every one within
+    int8_score_bound (fp32's roundings of k' and of the scale products, 1e-7 relative, inside its 0.1% margin), the
+    RMS error 0.9-1.1 times int8_score_variance's."""
+    B, T, H = 2, 8, 4
+    q, k, _ = operands(B, T, K, H, d, seed=3, offset=offset)
+    q64_BHTd, k64_BHKd = q.double().transpose(1, 2), k.double().transpose(1, 2)
+    smoothing_BHT1 = SCALE * q64_BHTd @ k64_BHKd.mean(dim=2)[..., None]
+    error = int8_scores(q, k, SCALE, S).double() + smoothing_BHT1 - SCALE * q64_BHTd @ k64_BHKd.mT
+    scales = decode_scales(q, k, k, S)  # V's scales unused
+    assert (error.abs() <= 1.001 * int8_score_bound(q, scales, SCALE)).all()
+    ratio = rms(error) / int8_score_variance(q, scales, SCALE).mean().sqrt().item()
+    assert 0.9 <= ratio <= 1.1, ratio
+
+
+# a decode step (one query per row) and prefill chunks; keys from the window's first block, the last block partial
+SHAPES = [(8, 1, 300, 64, 64, 3, 2.0), (2, 40, 300, 64, 64, 3, 0.0), (2, 40, 200, 32, 16, 4, 0.5),
+          (8, 1, 200, 32, 16, 8, 0.0)]
+
+
+@pytest.mark.parametrize("B, T, K, d, S, blocks, offset", SHAPES)
+def test_int8_attend_within_the_bound_and_near_the_predicted_error(B, T, K, d, S, blocks, offset):
+    """Every element within int8_error_bound; the RMS error 0.8-1.1 times the predicted one (the analysis takes each
+    rounding as uniform over its step, and values at their block's absmax round exactly)."""
+    H = 4
+    q, k, v = operands(B, T, K, H, d, seed=0, offset=offset)
+    mask, first_key = cache_mask(B, T, K, S, blocks)
+    k, v = k[:, first_key:], v[:, first_key:]
+    out = int8_attend(q, k, v, mask, SCALE, S)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    error = out.double() - exact_attention(q, k, v, mask, SCALE)
+    scales = decode_scales(q, k, v, S)
+    bound = int8_error_bound(q, v, mask[:, 0], scales, SCALE)
+    assert (error.abs() <= bound).all(), (error.abs() / bound).max()
+    ratio = rms(error) / int8_error_variance(q, k, v, mask[:, 0], scales, SCALE).mean().sqrt().item()
+    assert 0.8 <= ratio <= 1.1, ratio
+
+
+def test_smoothing_takes_out_a_common_key_offset():
+    """K's mean is subtracted before INT8: keys sharing an offset 8 times their own size still meet the bound, and
+    the output is the unshifted keys' to far below the quantization's error, as exact attention is unchanged."""
+    B, T, K, H, d, S = 2, 40, 300, 4, 64, 64
+    q, k, v = (x.float() for x in operands(B, T, K, H, d, seed=2, offset=2.0))
+    mask, first_key = cache_mask(B, T, K, S, blocks=3)
+    k, v = k[:, first_key:], v[:, first_key:]
+    shifted = k + 8.0 * torch.randn(d, generator=torch.Generator().manual_seed(5))
+    base = int8_attend(q, k, v, mask, SCALE, S)
+    quantization_error = rms(base.double() - exact_attention(q, k, v, mask, SCALE))
+    out = int8_attend(q, shifted, v, mask, SCALE, S)
+    # k + offset in fp32 moves a few values across an INT8 or e4m3 rounding edge: 1-3% of the error (150% unsmoothed)
+    assert rms(out - base) <= 0.05 * quantization_error
+    error = out.double() - exact_attention(q, shifted, v, mask, SCALE)
+    assert (error.abs() <= int8_error_bound(q, v, mask[:, 0], decode_scales(q, shifted, v, S), SCALE)).all()
+
