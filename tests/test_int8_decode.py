@@ -1,18 +1,21 @@
-"""model/fast/int8_decode.py, the KV cache's INT8/FP8 attention.
+"""model/fast/int8_decode.py, and the KV cache (model/decode.py) with it.
 
 int8_scores and int8_attend against exact fp64 attention under the cache's masks: every element within the worst case
 and the RMS error near the predicted one (helpers' rounding analysis, the scales recomputed here from the rule), so
 that neither a missing rounding nor a coarser one passes; the scores alone as well, since e4m3's rounding of P and V
-outweighs INT8's in the output.
+outweighs INT8's in the output. The cache with INT8/FP8 layers against the SDPA cache.
 """
 import pytest
 import torch
 import torch.nn.functional as F
 
+from evals.validation import INT8_MAX_ERROR
 from helpers import Int8Scales, int8_error_bound, int8_error_variance, int8_score_bound, int8_score_variance
+from model import decode
 from model.attention import document_ids
-from model.decode import window_mask
+from model.decode import KVCache, window_mask
 from model.fast.int8_decode import int8_attend, int8_scores
+from test_decode import WINDOW, model, tokens_with_documents  # noqa: F401  (model: test_decode's random models)
 
 BOS, SCALE = 0, 0.12  # SCALE: the record's attention scale
 
@@ -116,4 +119,38 @@ def test_smoothing_takes_out_a_common_key_offset():
     assert rms(out - base) <= 0.05 * quantization_error
     error = out.double() - exact_attention(q, shifted, v, mask, SCALE)
     assert (error.abs() <= int8_error_bound(q, v, mask[:, 0], decode_scales(q, shifted, v, S), SCALE)).all()
+
+
+def cached_logits(model, tokens_BT: torch.Tensor, prompt_len: int, window: int, **int8):
+    """A cache's logits (B, T, V), the prompt in one call (of several chunks), then one token at a time; the cache."""
+    cache = KVCache(model, tokens_BT.size(0), tokens_BT.size(1), window, **int8)
+    pieces = [tokens_BT[:, :prompt_len]] + list(tokens_BT[:, prompt_len:].split(1, dim=1))
+    with torch.no_grad():
+        return torch.cat([model.head.logits(cache.extend(piece)) for piece in pieces], dim=1), cache
+
+
+def test_an_int8_cache_stays_near_the_sdpa_cache(model, monkeypatch):
+    """Every attention layer in INT8/FP8, a prompt of 60 tokens read in chunks of 7, then 40 single tokens, with
+    documents and a window (48 tokens) shorter than the context: the logits stay within rounding of the SDPA
+    cache's, far nearer than a wrong window would put them."""
+    monkeypatch.setattr(decode, "PREFILL_CHUNK", 7)
+    tokens = tokens_with_documents(rows=2, length=100, bos_at=[13, 30, 71], seed=1)
+    layers = [i for i, block in enumerate(model.blocks) if block.attn is not None]
+    sdpa, _ = cached_logits(model, tokens, 60, WINDOW)
+    distance = rms(cached_logits(model, tokens, 60, WINDOW, int8_layers=layers)[0] - sdpa)
+    # logits of RMS 6.5: INT8/FP8 moves them by 0.08, a window 4 times as wide by 1.1
+    assert 0 < distance < 0.2
+    assert rms(cached_logits(model, tokens, 60, 4 * WINDOW)[0] - sdpa) > 5 * distance
+
+
+def test_measuring_keeps_the_sdpa_output_and_sums_each_layers_error(model, monkeypatch):
+    """With measure_int8 the logits are the SDPA cache's bit for bit, and each attention layer's error over the
+    chunks of a prefill and the single tokens after it is positive and small."""
+    monkeypatch.setattr(decode, "PREFILL_CHUNK", 7)
+    tokens = tokens_with_documents(rows=2, length=60, bos_at=[13, 30], seed=2)
+    measured, cache = cached_logits(model, tokens, 50, WINDOW, measure_int8=True)
+    assert torch.equal(measured, cached_logits(model, tokens, 50, WINDOW)[0])
+    errors = cache.int8_errors()
+    assert sorted(errors) == [i for i, block in enumerate(model.blocks) if block.attn is not None]
+    assert all(0 < e < INT8_MAX_ERROR for e in errors.values()), errors
 
