@@ -1,14 +1,17 @@
-"""model/fast/int8_decode.py, and the KV cache (model/decode.py) with it.
+"""model/fast/int8_decode.py, the KV cache (model/decode.py) with it and sample.py --attention_forward int8.
 
 int8_scores and int8_attend against exact fp64 attention under the cache's masks: every element within the worst case
 and the RMS error near the predicted one (helpers' rounding analysis, the scales recomputed here from the rule), so
 that neither a missing rounding nor a coarser one passes; the scores alone as well, since e4m3's rounding of P and V
-outweighs INT8's in the output. The cache with INT8/FP8 layers against the SDPA cache.
+outweighs INT8's in the output. The cache with INT8/FP8 layers against the SDPA cache; sample.py's per-layer rule.
 """
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import sample
 from evals.validation import INT8_MAX_ERROR
 from helpers import Int8Scales, int8_error_bound, int8_error_variance, int8_score_bound, int8_score_variance
 from model import decode
@@ -16,6 +19,7 @@ from model.attention import document_ids
 from model.decode import KVCache, window_mask
 from model.fast.int8_decode import int8_attend, int8_scores
 from test_decode import WINDOW, model, tokens_with_documents  # noqa: F401  (model: test_decode's random models)
+from test_sample import PROMPT, checkpoint  # noqa: F401  (checkpoint: a fixture)
 
 BOS, SCALE = 0, 0.12  # SCALE: the record's attention scale
 
@@ -154,3 +158,39 @@ def test_measuring_keeps_the_sdpa_output_and_sums_each_layers_error(model, monke
     assert sorted(errors) == [i for i, block in enumerate(model.blocks) if block.attn is not None]
     assert all(0 < e < INT8_MAX_ERROR for e in errors.values()), errors
 
+
+def test_sample_int8_measures_once_and_keeps_its_layers_past_a_full_context(checkpoint, capsys, monkeypatch):
+    """sample.py --attention_forward int8: the layer line on stderr and the text; one measuring prefill, then every
+    cache, those a full context restarts included, takes the chosen layers."""
+    made = []
+
+    class RecordedCache(KVCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append((self.int8_layers, self.int8_l1 is not None))
+    monkeypatch.setattr(sample, "KVCache", RecordedCache)
+    prompt = " fox" * 120  # 121 tokens with BOS: the 128-token context fills at the 7th new one
+    assert sample.main(["--checkpoint", str(checkpoint), "--prompt", prompt, "--max_new_tokens", "12", "--device",
+                        "cpu", "--attention_forward", "int8"]) == 0
+    out, err = capsys.readouterr()
+    assert re.fullmatch(rf"int8 attention in 2 of 2 layers; relative L1 error by layer \(bf16 where over "
+                        rf"{INT8_MAX_ERROR}\): 0\.0\d\d\d 0\.0\d\d\d\n", err), err
+    assert out.startswith(prompt) and len(out) > len(prompt) + 1
+    assert made[0] == (set(), True) and len(made) > 3 and all(m == ({0, 1}, False) for m in made[1:])
+
+
+def test_layers_over_the_threshold_stay_bf16(checkpoint, capsys, monkeypatch):
+    """bf16 is the default and prints no layer line; with every layer over INT8_MAX_ERROR (0), int8 samples the
+    bf16 text exactly (INT8/FP8 layers move the logits: test_an_int8_cache_stays_near_the_sdpa_cache)."""
+    args = ["--checkpoint", str(checkpoint), "--prompt", PROMPT, "--max_new_tokens", "12", "--device", "cpu"]
+    assert sample.main(args) == 0
+    default = capsys.readouterr()
+    assert default.err == "" and sample.main(args + ["--attention_forward", "bf16"]) == 0
+    assert capsys.readouterr().out == default.out
+    monkeypatch.setattr(sample, "INT8_MAX_ERROR", 0.0)
+    assert sample.main(args + ["--attention_forward", "int8"]) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("int8 attention in 0 of 2 layers; relative L1 error by layer (bf16 where over 0.0): ")
+    assert out == default.out
+    with pytest.raises(SystemExit):
+        sample.main(args + ["--attention_forward", "fp8"])
