@@ -1,11 +1,13 @@
-"""sample.py's decoding speed on the record model, and how much of its GPU time attention takes.
+"""sample.py's decoding speed on the record model, with each attention (--attention_forward), and how much of its
+GPU time attention takes.
 
-    python -m dev.sample_speed --out sample_speed.json       # one GPU
+    python -m dev.sample_speed --out sample_speed.json       # one GPU; both attentions
 
 The record model with random weights (non-zero projections and head), built as load_model builds it; sample.py's
-generate from a 32-token prompt, 256 new tokens, 1 and 8 samples: tokens/s (the second of two calls) and the share
-of CUDA kernel time in attention kernels (a third call under torch.profiler). The share bounds what a faster
-attention could save in sampling.
+generate from a 32-token prompt, 256 new tokens, 1 and 8 samples, for bf16 (SDPA) and int8 (INT8/FP8 in the layers
+sample.py's rule keeps, chosen on the prompt before timing): tokens/s (the second of two calls) and, for bf16, the
+share of CUDA kernel time in attention kernels (a third call under torch.profiler). The share bounds what a faster
+attention could save in sampling; int8's torch ops carry no attention kernel's name, so it has none.
 """
 import argparse
 import json
@@ -20,6 +22,7 @@ import sample  # noqa: E402
 import test_fast as tf  # noqa: E402
 from dev.gradient_precision import initial_state  # noqa: E402
 from runtime.backend import build_model  # noqa: E402
+from runtime.config import ATTENTION_FORWARDS  # noqa: E402
 
 ATTENTION_KERNELS = ("flash", "attention", "fmha", "sdpa", "efficient")
 
@@ -37,27 +40,38 @@ def attention_share(prof) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--attention_forward", nargs="+", choices=ATTENTION_FORWARDS, default=list(ATTENTION_FORWARDS),
+                    help="the attentions to measure, one after the other on this GPU")
     args = ap.parse_args()
     device = torch.device("cuda")
     model, _ = build_model(tf.RECORD, device, "auto", fp8=False)
     model.load_state_dict(initial_state(device))
     model.eval()
     prompt, result = [50256] * 32, {}
-    for samples in (1, 8):
-        kwargs = dict(max_new_tokens=256, temperature=1.0, top_k=0, num_samples=samples, window=tf.RECORD_WINDOW,
-                      max_context=tf.RECORD_T, generator=torch.Generator(device).manual_seed(0))
-        sample.generate(model, prompt, **kwargs)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        rows = sample.generate(model, prompt, **kwargs)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    for forward in args.attention_forward:
+        int8_layers, result[forward] = set(), {}
+        if forward == "int8":
+            int8_layers, line = sample.choose_int8_layers(model, prompt, tf.RECORD_WINDOW, tf.RECORD_T)
+            result[forward]["layers"] = line
+            print(line, flush=True)
+        for samples in (1, 8):
+            kwargs = dict(max_new_tokens=256, temperature=1.0, top_k=0, num_samples=samples, window=tf.RECORD_WINDOW,
+                          max_context=tf.RECORD_T, generator=torch.Generator(device).manual_seed(0),
+                          int8_layers=int8_layers)
             sample.generate(model, prompt, **kwargs)
-        new = sum(len(r) for r in rows)
-        result[samples] = {"new_tokens": new, "seconds": round(seconds, 3), "tokens_per_s": round(new / seconds, 1),
-                           "attention_share_of_cuda_time": round(attention_share(prof), 4)}
-        print(samples, result[samples], flush=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            rows = sample.generate(model, prompt, **kwargs)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            new = sum(len(r) for r in rows)
+            row = {"new_tokens": new, "seconds": round(seconds, 3), "tokens_per_s": round(new / seconds, 1)}
+            if forward == "bf16":
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    sample.generate(model, prompt, **kwargs)
+                row["attention_share_of_cuda_time"] = round(attention_share(prof), 4)
+            result[forward][samples] = row
+            print(forward, samples, row, flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 
 
