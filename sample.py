@@ -2,6 +2,7 @@
 
     python sample.py --checkpoint logs/RUN --prompt "The meaning of life is" [--num_samples 3]
     python sample.py --checkpoint logs/RUN/ckpt_001750.pt --prompt "..." --temperature 0    # greedy
+    python sample.py --checkpoint logs/RUN --prompt "..." --attention_forward int8          # INT8/FP8 attention
 
 Rows start with BOS, as training documents do, and end at <|endoftext|> or after --max_new_tokens. A KV cache
 (model/decode.py) reads the prompt once, then each new token alone. The context is at most the training seq_len:
@@ -10,14 +11,17 @@ past it, each token re-reads the last seq_len tokens into a fresh cache, so no p
 import argparse
 import math
 import sys
+from collections.abc import Collection
 
 import torch
 
 from data.shard import BOS_ID
 from data.tokenizer import get_encoding
+from evals.validation import INT8_MAX_ERROR
 from model.decode import KVCache
 from model.gpt import GPT
 from runtime.checkpoint import load_model
+from runtime.config import ATTENTION_FORWARDS
 from runtime.dist import choose_device
 from runtime.errors import UserError, exit_on_user_error
 
@@ -36,11 +40,26 @@ def pick(logits_BV: torch.Tensor, temperature: float, top_k: int, generator: tor
     return torch.multinomial(torch.softmax(tempered_BV, dim=-1), 1, generator=generator)[:, 0]
 
 
+def choose_int8_layers(model: GPT, prompt: list[int], window: int, max_context: int) -> tuple[set[int], str]:
+    """The attention layers whose INT8/FP8 output is off their SDPA output by at most INT8_MAX_ERROR (relative L1)
+    on a prefill of the prompt's last max_context tokens, as validation's rule; and the errors as a line for
+    stderr."""
+    tokens_1T = torch.tensor([prompt[-max_context:]], dtype=torch.int32, device=next(model.parameters()).device)
+    cache = KVCache(model, 1, tokens_1T.size(1), window, measure_int8=True)
+    cache.extend(tokens_1T)
+    errors = cache.int8_errors()
+    layers = {layer for layer, e in errors.items() if e <= INT8_MAX_ERROR}
+    return layers, (f"int8 attention in {len(layers)} of {len(errors)} layers; relative L1 error by layer (bf16 "
+                    f"where over {INT8_MAX_ERROR}): " + " ".join(f"{e:.4f}" for e in errors.values()))
+
+
 @torch.no_grad()
 def generate(model: GPT, prompt: list[int], *, max_new_tokens: int, temperature: float, top_k: int,
-             num_samples: int, window: int, max_context: int, generator: torch.Generator) -> list[list[int]]:
+             num_samples: int, window: int, max_context: int, generator: torch.Generator,
+             int8_layers: Collection[int] = ()) -> list[list[int]]:
     """The new tokens of `num_samples` continuations of `prompt` (ids, BOS first), stopping once all have ended.
-    `window`: the attention window the model ended training with; `max_context`: its training seq_len."""
+    `window`: the attention window the model ended training with; `max_context`: its training seq_len;
+    `int8_layers`: the attention layers that attend in INT8/FP8 (KVCache)."""
     device = next(model.parameters()).device
     tokens_BN = torch.tensor([prompt] * num_samples, dtype=torch.int32, device=device)
     capacity = min(max_context, len(prompt) + max_new_tokens)
@@ -48,7 +67,7 @@ def generate(model: GPT, prompt: list[int], *, max_new_tokens: int, temperature:
     cache, new_BT = None, tokens_BN
     for _ in range(max_new_tokens):
         if cache is None or cache.length == max_context:  # the prompt, or a full context
-            cache, new_BT = KVCache(model, num_samples, capacity, window), tokens_BN[:, -max_context:]
+            cache, new_BT = KVCache(model, num_samples, capacity, window, int8_layers), tokens_BN[:, -max_context:]
         hidden_BD = cache.extend(new_BT)[:, -1]
         logits_BV = model.head.logits(hidden_BD)[:, :TEXT_VOCAB]
         next_B = pick(logits_BV, temperature, top_k, generator)
@@ -70,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seeds the sampling")
     parser.add_argument("--device", default="auto", help="auto, cuda or cpu")
     parser.add_argument("--num_samples", type=int, default=1, help="independent samples of the prompt")
+    parser.add_argument("--attention_forward", default="bf16", choices=ATTENTION_FORWARDS,
+                        help="bf16 (SDPA) or int8 (INT8/FP8 attention where a layer's error on the prompt allows)")
     args = parser.parse_args(argv)
     for name, low in (("max_new_tokens", 0), ("temperature", 0), ("top_k", 0), ("num_samples", 1)):
         if not getattr(args, name) >= low:  # also refuses nan
@@ -84,10 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     if len(prompt) > train_config["seq_len"]:
         print(f"note: the prompt is {len(prompt):,} tokens with its <|endoftext|> start; the model reads only the last "
               f"{train_config['seq_len']:,} (its training --seq_len)", file=sys.stderr)
+    window, max_context = train_config["window_max_tokens"], train_config["seq_len"]
+    int8_layers = set()
+    if args.attention_forward == "int8":
+        int8_layers, line = choose_int8_layers(model, prompt, window, max_context)
+        print(line, file=sys.stderr)
     generator = torch.Generator(device).manual_seed(args.seed)
     samples = generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, num_samples=args.num_samples, window=train_config["window_max_tokens"],
-                       max_context=train_config["seq_len"], generator=generator)
+                       top_k=args.top_k, num_samples=args.num_samples, window=window, max_context=max_context,
+                       generator=generator, int8_layers=int8_layers)
     for i, new in enumerate(samples):
         if BOS_ID in new:
             new = new[:new.index(BOS_ID)]

@@ -7,17 +7,21 @@
 
 Contract: after tokens t_0 .. t_{n-1} have gone in, in any split into calls, `extend` returns for its tokens what
 model.hidden_states(t_0 .. t_{n-1}, W) returns at their positions. Each attention layer caches its keys (offset
-ones, with key_offset) and values and attends on SDPA under model/attention.py's rule. Only the plain modules'
+ones, with key_offset) and values and attends on SDPA under model/attention.py's rule, or, in the layers the cache is
+given, in INT8/FP8 (model/fast/int8_decode.py; then the contract holds to its rounding). Only the plain modules'
 functions are used, so a FastGPT decodes alike.
 
 Shape legend: as model/gpt.py; K cached keys, C capacity.
 """
+from collections.abc import Collection
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.attention import document_ids
+from model.attention import attend, document_ids
 from model.config import short_window, window_blocks
+from model.fast.int8_decode import int8_attend
 from model.gpt import GPT, MLP, Attention, norm, offset_keys, prepare_qkv, rotary_tables, x0_mix
 
 PREFILL_CHUNK = 1024  # queries per attention call, bounding a long prompt's masks and scores
@@ -36,15 +40,21 @@ def window_mask(doc_BK: Tensor, first_key: int, start: int, blocks: int, block_s
 
 
 class KVCache:
-    """Cached keys, values and document ids of `batch` rows of up to `capacity` tokens, for a long `window`."""
+    """Cached keys, values and document ids of `batch` rows of up to `capacity` tokens, for a long `window`. The
+    attention layers in `int8_layers` attend in INT8/FP8. With `measure_int8`, every attention layer's output is
+    SDPA's, and its INT8/FP8 output's distance from it is summed for int8_errors."""
 
-    def __init__(self, model: GPT, batch: int, capacity: int, window: int):
+    def __init__(self, model: GPT, batch: int, capacity: int, window: int, int8_layers: Collection[int] = (),
+                 measure_int8: bool = False):
         cfg, device, dtype = model.config, model.embed.weight.device, model.compute_dtype
         self.model, self.capacity, self.length = model, capacity, 0
         shape = (batch, capacity, cfg.num_heads, cfg.head_dim)
         self.keys = {i: torch.empty(shape, dtype=dtype, device=device)
                      for i, block in enumerate(model.blocks) if block.attn is not None}
         self.values = {i: torch.empty_like(k) for i, k in self.keys.items()}
+        self.int8_layers = set(int8_layers)
+        # with measure_int8, per attention layer: (sum |INT8/FP8 output - SDPA output|, sum |SDPA output|) so far
+        self.int8_l1 = {i: torch.zeros(2, device=device) for i in self.keys} if measure_int8 else None
         # per offsetting layer, the last position's key before its offset (B, 1, H, d): the next token's offset reads it
         self.last_keys = {}
         self.doc_BC = torch.zeros(batch, capacity, dtype=torch.int32, device=device)
@@ -106,7 +116,7 @@ class KVCache:
                   ve_BTA: Tensor | None, cos_TP: Tensor, sin_TP: Tensor, first_key: int,
                   mask_B1TK: Tensor) -> tuple[Tensor, Tensor]:
         """Attention.forward for the new tokens' normed x over the cached keys from first_key on, theirs first
-        stored."""
+        stored; in INT8/FP8 in int8_layers."""
         B, T, _ = x_BTD.shape
         qkv_BT3Hd = F.linear(x_BTD, attn.qkv_w.flatten(0, 1).type_as(x_BTD)).view(B, T, 3 * attn.num_heads, -1)
         q_BTHd, k_BTHd, v_BTHd = prepare_qkv(qkv_BT3Hd, cos_TP, sin_TP, attn.value_lambdas, v_first_BTHd, ve_BTA)
@@ -117,7 +127,20 @@ class KVCache:
         end = self.length + T
         self.keys[layer][:, self.length:end] = k_BTHd
         self.values[layer][:, self.length:end] = v_BTHd
-        y_BTD = attn.attend_and_project(q_BTHd, self.keys[layer][:, first_key:end],
-                                        self.values[layer][:, first_key:end], x_BTD[..., :attn.gate_w.size(1)],
-                                        mask_B1TK)
-        return y_BTD, v_BTHd
+        k_BKHd, v_BKHd = self.keys[layer][:, first_key:end], self.values[layer][:, first_key:end]
+        gate_in_BTG = x_BTD[..., :attn.gate_w.size(1)]
+        if layer not in self.int8_layers and self.int8_l1 is None:
+            return attn.attend_and_project(q_BTHd, k_BKHd, v_BKHd, gate_in_BTG, mask_B1TK), v_BTHd
+        y_BTHd = int8_attend(q_BTHd, k_BKHd, v_BKHd, mask_B1TK, attn.scale, self.model.config.block_size)
+        if self.int8_l1 is not None:  # measuring: SDPA's output goes on, as without INT8/FP8
+            ref_BTHd = attend(q_BTHd.transpose(1, 2), k_BKHd.transpose(1, 2), v_BKHd.transpose(1, 2), mask_B1TK,
+                              attn.scale).transpose(1, 2)
+            self.int8_l1[layer] += torch.stack([(y_BTHd.float() - ref_BTHd.float()).abs().sum(),
+                                                ref_BTHd.float().abs().sum()])
+            y_BTHd = ref_BTHd
+        return attn.gate_and_project(y_BTHd, gate_in_BTG), v_BTHd
+
+    def int8_errors(self) -> dict[int, float]:
+        """With measure_int8: each attention layer's INT8/FP8 output's relative L1 error against its SDPA output,
+        over the tokens extended so far."""
+        return {layer: float(diff / ref) for layer, (diff, ref) in self.int8_l1.items()}

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import interpreted, interpreter_parent
+from helpers import Int8Scales, int8_error_bound, int8_error_variance, interpreted, interpreter_parent
 from model.attention import dense_mask, document_ids
 
 pytest.importorskip("triton", reason="triton is not installed (CPU-only torch)")
@@ -21,8 +21,6 @@ from model.fast.attention_kernels import E4M3_MAX, Int8Mask, first_key_blocks, q
 
 gpu = pytest.mark.gpu
 BOS, SCALE = 0, 0.12  # SCALE: the record's attention scale
-E4M3_HALF_ULP = 2.0 ** -4  # e4m3's rounding error on normal values, relative: half its 3-bit mantissa's step
-E4M3_SUBNORMAL_STEP = 2.0 ** -9  # e4m3's spacing below 2^-6, its smallest normal value
 
 
 def reference(q_BTHd, k_BTHd, v_BTHd, doc_BT, blocks: int, S: int, scale: float) -> torch.Tensor:
@@ -63,65 +61,22 @@ def exact_attention(q_BTHd, k_BTHd, v_BTHd, visible_BTT, scale: float) -> torch.
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible_BTT[:, None], scale=scale).transpose(1, 2)
 
 
-def quantized_keys(q_BTHd, k_BTHd, v_BTHd, S):
-    """(quantize's operands, the query and key blocks' INT8 scales per token (B, T, H) fp64, the rounded k')."""
+def kernel_scales(q_BTHd, k_BTHd, v_BTHd, S) -> Int8Scales:
+    """quantize's scales per token: its query and key blocks' INT8 scales, the rounded k', V's scales."""
     ops = quantize(q_BTHd, k_BTHd, v_BTHd, S)
     q_scale_BTH, k_scale_BTH = (ops[name].double().repeat_interleave(S, dim=1) for name in ("q_scale", "k_scale"))
-    return ops, q_scale_BTH, k_scale_BTH, ops["k8"].double() * k_scale_BTH[..., None]
+    return Int8Scales(q_scale_BTH, k_scale_BTH, ops["k8"].double() * k_scale_BTH[..., None], ops["v_scale"].double())
 
 
 def error_bound(q_BTHd, k_BTHd, v_BTHd, visible_BTT, S: int, scale: float) -> torch.Tensor:
-    """A bound (B, T, H, d) on |reference - exact attention|.
-
-    dq and k' round to their blocks' INT8 grids (errors <= sq / 2, sk / 2 per element), so a score's error
-    |e_q k'^ + q e_k| scale is at most eps = scale (sq / 2 |k'^|_1 + sk / 2 |q|_1), k'^ the rounded key. Scores off
-    by <= eps move the softmax weights by at most e^(2 eps) - 1 in L1, so the output by that times max_j |v_jc| over
-    the visible keys. e4m3 then rounds each P and V value to within E4M3_HALF_ULP relative (normal values) or half a
-    subnormal step absolute; the weights sum to 1, so those add (2 E4M3_HALF_ULP + E4M3_HALF_ULP^2) max_j |v_jc|,
-    half a subnormal step of v_scale for V, and, for P, n keys' half steps over the row sum (>= 1, the max's own)."""
-    ops, q_scale_BTH, k_scale_BTH, k_hat_BTHd = quantized_keys(q_BTHd, k_BTHd, v_BTHd, S)
-    eps_BHTT = scale * (q_scale_BTH.transpose(1, 2)[..., None] / 2 * k_hat_BTHd.abs().sum(-1).transpose(1, 2)[:, :, None]
-                        + k_scale_BTH.transpose(1, 2)[:, :, None] / 2
-                        * q_BTHd.double().abs().sum(-1).transpose(1, 2)[..., None])
-    seen_B1TT = visible_BTT[:, None]
-    eps_BHT = eps_BHTT.masked_fill(~seen_B1TT, 0).amax(dim=-1)
-    v_abs_BHTd = v_BTHd.double().abs().transpose(1, 2)
-    vmax_BHTd = torch.where(seen_B1TT[..., None], v_abs_BHTd[:, :, None], 0).amax(dim=3)  # over the visible keys
-    relative_BHT1 = torch.expm1(2 * eps_BHT)[..., None] + 2 * E4M3_HALF_ULP + E4M3_HALF_ULP ** 2
-    p_steps_B1T1 = visible_BTT.sum(-1).double()[:, None, :, None] * E4M3_SUBNORMAL_STEP / 2 / E4M3_MAX
-    v_step_BH1d = E4M3_SUBNORMAL_STEP / 2 * ops["v_scale"].double()[:, :, None, :]
-    return (((relative_BHT1 + p_steps_B1T1) * vmax_BHTd + v_step_BH1d) * (1 + E4M3_HALF_ULP)).transpose(1, 2)
-
-
-def e4m3_step(x: torch.Tensor) -> torch.Tensor:
-    """The spacing of e4m3's values around each |x| (448 at most)."""
-    exponent = torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -6)))
-    return torch.where(x.abs() < 2.0 ** -6, E4M3_SUBNORMAL_STEP, 2.0 ** (exponent - 3))
+    """A bound (B, T, H, d) on |reference - exact attention|: helpers.int8_error_bound with quantize's scales."""
+    return int8_error_bound(q_BTHd, v_BTHd, visible_BTT, kernel_scales(q_BTHd, k_BTHd, v_BTHd, S), scale)
 
 
 def predicted_variance(q_BTHd, k_BTHd, v_BTHd, visible_BTT, S: int, scale: float) -> torch.Tensor:
-    """The variance (B, T, H, d) of reference - exact attention, each rounding taken as an independent error uniform
-    over its step (variance step^2 / 12): with weights w_j, to first order
-
-        var(o_c) = sum_j w_j^2 (var(s_j) (v_jc - o_c)^2 + var(P_j) / P_j^2 v_jc^2 + var(v_jc)),
-
-    var(s_j) = scale^2 (sq^2 / 12 |k'^_j|^2 + sk^2 / 12 |q|^2) from INT8, and e4m3's steps for 448 P_j (P relative
-    to the row's max) and for v_jc / v_scale_c."""
-    ops, q_scale_BTH, k_scale_BTH, k_hat_BTHd = quantized_keys(q_BTHd, k_BTHd, v_BTHd, S)
-    q, v = q_BTHd.double().transpose(1, 2), v_BTHd.double().transpose(1, 2)  # (B, H, T, d)
-    var_s = scale ** 2 * (q_scale_BTH.transpose(1, 2)[..., None] ** 2 / 12 * (k_hat_BTHd ** 2).sum(-1).transpose(1, 2)[:, :, None]
-                          + k_scale_BTH.transpose(1, 2)[:, :, None] ** 2 / 12 * (q ** 2).sum(-1)[..., None])
-    s = (scale * q @ k_BTHd.double().transpose(1, 2).mT).masked_fill(~visible_BTT[:, None], -math.inf)
-    w = torch.softmax(s, dim=-1)
-    o = w @ v
-    p = w / w.amax(dim=-1, keepdim=True) * E4M3_MAX
-    rel_var_p = torch.where(p > 0, (e4m3_step(p) / p.clamp_min(1e-300)) ** 2 / 12, 0)
-    v_scale = ops["v_scale"].double()[:, :, None, :]
-    var_v = (e4m3_step(v / v_scale) * v_scale) ** 2 / 12
-    w2 = w ** 2
-    scores = (torch.einsum("bhqk,bhkc->bhqc", w2 * var_s, v ** 2) - 2 * o * torch.einsum("bhqk,bhkc->bhqc", w2 * var_s, v)
-              + o ** 2 * (w2 * var_s).sum(-1, keepdim=True))
-    return (scores + (w2 * rel_var_p) @ v ** 2 + w2 @ var_v).transpose(1, 2)
+    """The variance (B, T, H, d) of reference - exact attention: helpers.int8_error_variance with quantize's
+    scales."""
+    return int8_error_variance(q_BTHd, k_BTHd, v_BTHd, visible_BTT, kernel_scales(q_BTHd, k_BTHd, v_BTHd, S), scale)
 
 
 def layouts(B: int, T: int, seed: int = 0) -> torch.Tensor:

@@ -26,10 +26,8 @@ from torch.library import triton_op
 from torch.nn.attention.flex_attention import BlockMask
 
 from model.config import window_blocks
+from model.fast.int8_decode import E4M3_MAX, INT8_MAX, TINY
 from model.fast.launch import launcher
-
-INT8_MAX, E4M3_MAX = 127.0, 448.0
-TINY = 1e-30  # the scale of an all-zero block: its values quantize to 0
 
 
 def quantize(q_BTHd: Tensor, k_BTHd: Tensor, v_BTHd: Tensor, block_size: int) -> dict[str, Tensor]:
