@@ -6,7 +6,7 @@ from data.loader import ValLoader
 from model.gpt import GPT
 from runtime import dist
 
-# A layer whose INT8/FP8 attention output is off its FlexAttention output by more (relative L1) stays on FlexAttention
+# A layer whose INT8/FP8 attention output is off its bf16 output by more (relative L1) stays bf16; sample.py's rule too
 INT8_MAX_ERROR = 0.05
 CALIBRATION_TOKENS = 8192  # of a batch: where each layer's error is measured, eagerly
 
