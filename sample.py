@@ -17,7 +17,7 @@ import torch
 
 from data.shard import BOS_ID
 from data.tokenizer import get_encoding
-from evals.validation import INT8_MAX_ERROR
+from evals.validation import int8_rule
 from model.decode import KVCache
 from model.gpt import GPT
 from runtime.checkpoint import load_model
@@ -48,9 +48,8 @@ def choose_int8_layers(model: GPT, prompt: list[int], window: int, max_context: 
     cache = KVCache(model, 1, tokens_1T.size(1), window, measure_int8=True)
     cache.extend(tokens_1T)
     errors = cache.int8_errors()
-    layers = {layer for layer, e in errors.items() if e <= INT8_MAX_ERROR}
-    return layers, (f"int8 attention in {len(layers)} of {len(errors)} layers; relative L1 error by layer (bf16 "
-                    f"where over {INT8_MAX_ERROR}): " + " ".join(f"{e:.4f}" for e in errors.values()))
+    on, line = int8_rule(list(errors.values()))
+    return {layer for layer, keep in zip(errors, on) if keep}, line
 
 
 @torch.no_grad()

@@ -27,7 +27,14 @@ def choose_int8_layers(model, inputs_BT: torch.Tensor, window: torch.Tensor, rt:
     rows = max(1, CALIBRATION_TOKENS // T)
     errors = [dist.all_ranks_sum(e, rt) / rt.world_size
               for e in model.int8_attention_errors(inputs_BT[:rows, :T], window)]
-    on = [e <= INT8_MAX_ERROR for e in errors]
+    on, line = int8_rule(errors)
     model.use_int8_attention(on)
-    return (f"int8 attention in {sum(on)} of {len(on)} layers; relative L1 error by layer (bf16 where over "
-            f"{INT8_MAX_ERROR}): " + " ".join(f"{e:.4f}" for e in errors))
+    return line
+
+
+def int8_rule(errors: list[float]) -> tuple[list[bool], str]:
+    """Per attention layer, whether its INT8/FP8 error (relative L1) allows INT8/FP8: at most INT8_MAX_ERROR; and the
+    errors as a line for the log."""
+    on = [e <= INT8_MAX_ERROR for e in errors]
+    return on, (f"int8 attention in {sum(on)} of {len(on)} layers; relative L1 error by layer (bf16 where over "
+                f"{INT8_MAX_ERROR}): " + " ".join(f"{e:.4f}" for e in errors))

@@ -187,7 +187,7 @@ def test_layers_over_the_threshold_stay_bf16(checkpoint, capsys, monkeypatch):
     default = capsys.readouterr()
     assert default.err == "" and sample.main(args + ["--attention_forward", "bf16"]) == 0
     assert capsys.readouterr().out == default.out
-    monkeypatch.setattr(sample, "INT8_MAX_ERROR", 0.0)
+    monkeypatch.setattr("evals.validation.INT8_MAX_ERROR", 0.0)
     assert sample.main(args + ["--attention_forward", "int8"]) == 0
     out, err = capsys.readouterr()
     assert err.startswith("int8 attention in 0 of 2 layers; relative L1 error by layer (bf16 where over 0.0): ")
